@@ -1,0 +1,138 @@
+"""Per-request sampling parameters: frozen, validated at construction and at decode time.
+
+``SamplingParams`` crosses the engine boundary (it is part of a request), so it is a
+``msgspec.Struct`` that round-trips through msgspec JSON and msgpack. Every bad value raises
+``ValueError`` whose message starts with the field name. (When decoding with msgspec, the
+``ValueError`` raised by ``__post_init__`` surfaces as ``msgspec.ValidationError`` carrying the
+same message.)
+
+Decisions, where vLLM/SGLang users might expect something else:
+
+* ``stop`` / ``stop_token_ids``: a list. A single ``str`` (or a tuple) given to the Python
+  constructor is normalized to a list; the wire format (JSON / msgpack) requires a list.
+* ``temperature == 0`` or ``top_k == 1`` means greedy (``is_greedy``): argmax of the raw logits,
+  ties broken by the lowest token id; ``seed`` is then irrelevant.
+* ``top_k``: 0 or -1 disables it; ``top_p == 1`` and ``min_p == 0`` disable those.
+* ``logprobs``: ``None`` returns none; ``n >= 0`` returns, for every emitted token, its own
+  logprob plus the ``n`` most likely tokens. Logprobs are those of the *raw* model distribution
+  (log_softmax of the unprocessed logits, before temperature/top-k/top-p/min-p), as vLLM does by
+  default.
+* ``num_speculative_tokens``: per-request cap on drafts; ``None`` = engine default, ``0`` = no
+  speculation for this request.
+* ``n``: only 1 is supported.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from msgspec.structs import force_setattr
+
+__all__ = ["SamplingParams"]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How to sample one request's output; see the module docstring for the conventions."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    num_speculative_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        self._normalize()
+        self._check_ints()
+        self._check_floats()
+        self._check_lists_and_flags()
+
+    # -- validation helpers (each raises ValueError naming the field) --
+
+    def _normalize(self) -> None:
+        if isinstance(self.stop, str):
+            force_setattr(self, "stop", [self.stop])
+        elif isinstance(self.stop, tuple):
+            force_setattr(self, "stop", list(self.stop))
+        if isinstance(self.stop_token_ids, tuple):
+            force_setattr(self, "stop_token_ids", list(self.stop_token_ids))
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if _is_int(value):
+                force_setattr(self, name, float(value))
+
+    def _check_ints(self) -> None:
+        if not _is_int(self.n) or self.n != 1:
+            raise ValueError(f"n must be 1 (only one sequence per request is supported), got {self.n!r}")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
+            raise ValueError(f"top_k must be 0 or -1 (disabled) or >= 1, got {self.top_k!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}"
+            )
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
+        nst = self.num_speculative_tokens
+        if nst is not None and (not _is_int(nst) or nst < 0):
+            raise ValueError(f"num_speculative_tokens must be None or an integer >= 0, got {nst!r}")
+
+    def _check_floats(self) -> None:
+        t = self.temperature
+        if not _is_number(t) or not (t >= 0.0) or t == float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+
+    def _check_lists_and_flags(self) -> None:
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a list of strings, got {self.stop!r}")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop must not contain the empty string")
+        ids = self.stop_token_ids
+        if not isinstance(ids, list) or not all(_is_int(i) and i >= 0 for i in ids):
+            raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {ids!r}")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    # -- derived values --
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when sampling reduces to argmax of the raw logits (temperature 0 or top_k 1)."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 1
+
+    @property
+    def uses_default_processing(self) -> bool:
+        """True when p is plain softmax(logits): temperature 1, no top-k / top-p / min-p."""
+        return (
+            self.temperature == 1.0 and self.top_k in (0, -1) and self.top_p == 1.0 and self.min_p == 0.0
+        )
