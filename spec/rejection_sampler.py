@@ -177,7 +177,8 @@ def rejection_sample_reference(
         emitted = torch.where(is_greedy, emitted, random_tok)
     out = torch.full((num_reqs, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=k.device)
     pos = torch.arange(max_k + 1, device=k.device)[None, :]
-    padded_ids = torch.cat([ids, torch.full_like(ids[:, :1], PLACEHOLDER_TOKEN_ID)], dim=1)
+    pad = torch.full((num_reqs, 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=k.device)
+    padded_ids = torch.cat([ids, pad], dim=1)
     out = torch.where(pos < num_accepted[:, None], padded_ids, out)
     out[torch.arange(num_reqs, device=k.device), num_accepted] = emitted
     return out

@@ -1,0 +1,106 @@
+"""SamplingParams: validation names the bad field; msgspec JSON/msgpack round trips."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from engine.sampling_params import SamplingParams
+
+BAD_VALUES = [
+    ("n", 2),
+    ("n", 0),
+    ("temperature", -0.1),
+    ("temperature", float("nan")),
+    ("temperature", float("inf")),
+    ("temperature", "hot"),
+    ("top_k", -2),
+    ("top_k", 1.5),
+    ("top_p", 0.0),
+    ("top_p", 1.01),
+    ("min_p", -0.01),
+    ("min_p", 1.5),
+    ("seed", 1.5),
+    ("seed", "7"),
+    ("max_tokens", 0),
+    ("max_tokens", True),
+    ("min_tokens", -1),
+    ("min_tokens", 17),  # > max_tokens (16)
+    ("stop", [1]),
+    ("stop", [""]),
+    ("stop_token_ids", [-1]),
+    ("stop_token_ids", ["a"]),
+    ("include_stop_str_in_output", 1),
+    ("ignore_eos", "yes"),
+    ("logprobs", -1),
+    ("skip_special_tokens", None),
+    ("num_speculative_tokens", -1),
+    ("num_speculative_tokens", 2.0),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_VALUES)
+def test_bad_field_raises_value_error_naming_it(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_defaults_are_valid_and_not_greedy():
+    p = SamplingParams()
+    assert not p.is_greedy
+    assert p.uses_default_processing
+    assert p.stop == [] and p.stop_token_ids == []
+
+
+def test_greedy_definitions():
+    assert SamplingParams(temperature=0).is_greedy
+    assert SamplingParams(temperature=0.7, top_k=1).is_greedy
+    assert not SamplingParams(temperature=0.7, top_k=2).is_greedy
+    assert isinstance(SamplingParams(temperature=0).temperature, float)
+
+
+def test_stop_string_is_normalized_to_list():
+    assert SamplingParams(stop="\n").stop == ["\n"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+
+
+def test_frozen():
+    p = SamplingParams()
+    with pytest.raises(AttributeError):
+        p.temperature = 0.5  # type: ignore[misc]
+
+
+def test_accepted_edge_values():
+    SamplingParams(top_k=-1, top_p=1.0, min_p=1.0, min_tokens=16, max_tokens=16, logprobs=0)
+    SamplingParams(num_speculative_tokens=0, seed=-3)
+
+
+FULL = SamplingParams(
+    temperature=0.7,
+    top_k=40,
+    top_p=0.9,
+    min_p=0.05,
+    seed=1234,
+    max_tokens=64,
+    min_tokens=2,
+    stop=["</s>", "\n\n"],
+    stop_token_ids=[2, 7],
+    include_stop_str_in_output=True,
+    ignore_eos=True,
+    logprobs=5,
+    skip_special_tokens=False,
+    num_speculative_tokens=3,
+)
+
+
+@pytest.mark.parametrize("codec", [msgspec.json, msgspec.msgpack])
+@pytest.mark.parametrize("params", [SamplingParams(), FULL])
+def test_round_trip(codec, params):
+    decoded = codec.decode(codec.encode(params), type=SamplingParams)
+    assert decoded == params
+
+
+def test_decode_validates():
+    raw = msgspec.json.encode({"top_p": 0.0})
+    with pytest.raises(msgspec.ValidationError, match="top_p"):
+        msgspec.json.decode(raw, type=SamplingParams)
