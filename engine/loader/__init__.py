@@ -1,0 +1,59 @@
+"""Model loading: one entry point for HF directories, GGUF files and the default model.
+
+``load_model_files(model, dtype)`` returns a :class:`LoadedModel`: a :class:`ModelConfig`, a state
+dict with Hugging Face parameter names and layout (dequantized to ``dtype``), the
+:class:`Tokenizer`, and ``source`` (the resolved path that was read). ``model=None`` means the
+default model (SmolLM2-135M-Instruct Q4_1 GGUF, fetched once into a cache; see
+``engine.loader.default_model``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.loader.default_model import default_model_path
+from engine.model_config import ModelConfig
+from engine.tokenizer import Tokenizer
+
+__all__ = ["LoadedModel", "load_model_files", "default_model_path"]
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """What a model file yields. ``state_dict`` keys are HF names; tensors are CPU ``dtype``."""
+
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    source: str
+
+
+def load_model_files(model: str | os.PathLike[str] | None,
+                     dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a model from an HF directory, a ``.gguf`` file, or the default model (``None``).
+
+    Raises ``FileNotFoundError`` when ``model`` does not exist, ``ValueError`` /
+    ``NotImplementedError`` for unsupported content, ``RuntimeError`` when the default model
+    cannot be fetched.
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    path = default_model_path() if model is None else os.path.expanduser(os.fspath(model))
+    if os.path.isdir(path):
+        from engine.loader.hf_loader import load_hf_dir
+
+        config, state_dict, tokenizer = load_hf_dir(path, dtype)
+    elif os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"model file {path!r} is not a .gguf file; pass a .gguf file or an HF directory")
+        from engine.loader.gguf_loader import load_gguf
+
+        config, state_dict, tokenizer = load_gguf(path, dtype)
+    else:
+        raise FileNotFoundError(
+            f"model {path!r} not found: pass a .gguf file or a Hugging Face directory "
+            "(config.json + *.safetensors + tokenizer.json); hub names are not downloaded")
+    return LoadedModel(config=config, state_dict=state_dict, tokenizer=tokenizer, source=path)

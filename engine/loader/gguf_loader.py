@@ -1,0 +1,126 @@
+"""Load a ``.gguf`` file: metadata -> ModelConfig, tensors -> HF-named state dict, tokenizer.
+
+Tensor names are mapped from llama.cpp's (``token_embd``, ``blk.N.attn_q`` ...) to Hugging Face's
+(``model.embed_tokens``, ``model.layers.N.self_attn.q_proj`` ...); the embeddings are tied when
+``output.weight`` is absent. llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` for
+the ``llama`` architecture (interleaved rotary pairs, ``w.reshape(n_head, 2, d // n_head // 2,
+*rest).swapaxes(1, 2)``); :func:`unpermute_qk` undoes it so the weights match HF's half-split
+rotary layout. ``qwen2`` files are written unpermuted.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import gguf
+import torch
+from gguf import GGUFReader, GGUFValueType
+
+from engine.loader.gguf_config import gguf_metadata_to_config, llama3_rope_scaling_from_freqs
+from engine.loader.gguf_dequant import dequantize_tensor
+from engine.model_config import ModelConfig
+from engine.tokenizer import Tokenizer
+
+__all__ = ["read_gguf_metadata", "gguf_tensor_name_to_hf", "unpermute_qk", "load_gguf"]
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def _field_value(field: Any) -> Any:
+    """Decode one ReaderField to a Python value (str, int, float, bool or list of those)."""
+    if hasattr(field, "contents"):
+        return field.contents()
+    # Older gguf releases: rebuild from parts.
+    if field.types[0] == GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    if field.types[0] == GGUFValueType.ARRAY:
+        if field.types[-1] == GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+        return [field.parts[i].tolist()[0] for i in field.data]
+    return field.parts[field.data[0]].tolist()[0]
+
+
+def read_gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """All key/value metadata of a GGUF file as Python values."""
+    return {name: _field_value(field) for name, field in reader.fields.items()
+            if not name.startswith("GGUF.")}
+
+
+def gguf_tensor_name_to_hf(name: str) -> str | None:
+    """HF parameter name for a GGUF tensor name; None for tensors with no HF counterpart."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _BLOCK_RE.match(name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of llama.cpp's ``permute`` of q/k projection rows (weights or biases)."""
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"cannot unpermute {rows} rows over {n_head} heads")
+    rest = w.shape[1:]
+    return (w.reshape(n_head, rows // n_head // 2, 2, *rest).swapaxes(1, 2)
+            .reshape(w.shape).contiguous())
+
+
+def load_gguf(path: str | os.PathLike[str],
+              dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Read ``path`` and return ``(config, state_dict, tokenizer)`` with HF names and layout.
+
+    Raises ``NotImplementedError`` for an unsupported architecture, tensor type or tokenizer,
+    ``ValueError`` for an unexpected tensor.
+    """
+    reader = GGUFReader(os.fspath(path), "r")
+    meta = read_gguf_metadata(reader)
+    arch = str(meta.get("general.architecture", ""))
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{path}: no token_embd.weight tensor")
+    embd = tensors["token_embd.weight"]
+    vocab_size = int(embd.shape[1]) if len(embd.shape) > 1 else len(meta.get("tokenizer.ggml.tokens", []))
+    rope_scaling = None
+    if "rope_freqs.weight" in tensors:
+        head_dim = int(meta.get(f"{arch}.rope.dimension_count") or
+                       int(meta[f"{arch}.embedding_length"]) // int(meta[f"{arch}.attention.head_count"]))
+        freqs = dequantize_tensor(tensors["rope_freqs.weight"].data,
+                                  tensors["rope_freqs.weight"].tensor_type)
+        rope_scaling = llama3_rope_scaling_from_freqs(freqs, float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+                                                      head_dim)
+    config = gguf_metadata_to_config(
+        meta, vocab_size=vocab_size, tied="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors, rope_scaling=rope_scaling)
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+
+    state_dict: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name == "rope_freqs.weight":
+            continue
+        hf_name = gguf_tensor_name_to_hf(name)
+        if hf_name is None:
+            raise ValueError(f"{path}: unexpected tensor {name!r} for architecture {arch!r}")
+        w = dequantize_tensor(t.data, t.tensor_type, dtype)
+        if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+            n_head = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
+            w = unpermute_qk(w, n_head)
+        state_dict[hf_name] = w
+    return config, state_dict, tokenizer
+
+
+# Re-exported for tests that build GGUF files.
+GGMLQuantizationType = gguf.GGMLQuantizationType
