@@ -122,7 +122,8 @@ def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     sorted_probs = sorted_logits.softmax(dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop_sorted = mass_before >= top_p[:, None].to(sorted_probs.dtype)
+    # Rows with top_p == 1 must keep everything even when the float cumsum exceeds 1.
+    drop_sorted = (mass_before >= top_p[:, None].to(sorted_probs.dtype)) & (top_p < 1.0)[:, None]
     drop_sorted[:, 0] = False
     drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))

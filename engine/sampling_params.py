@@ -10,8 +10,9 @@ Decisions, where vLLM/SGLang users might expect something else:
 
 * ``stop`` / ``stop_token_ids``: a list. A single ``str`` (or a tuple) given to the Python
   constructor is normalized to a list; the wire format (JSON / msgpack) requires a list.
-* ``temperature == 0`` or ``top_k == 1`` means greedy (``is_greedy``): argmax of the raw logits,
-  ties broken by the lowest token id; ``seed`` is then irrelevant.
+* ``temperature < 1e-5`` (in practice 0) or ``top_k == 1`` means greedy (``is_greedy``): argmax
+  of the raw logits, ties broken by the lowest token id; ``seed`` is then irrelevant. (Like vLLM:
+  dividing by a tiny temperature would overflow float32 logits.)
 * ``top_k``: 0 or -1 disables it; ``top_p == 1`` and ``min_p == 0`` disable those.
 * ``logprobs``: ``None`` returns none; ``n >= 0`` returns, for every emitted token, its own
   logprob plus the ``n`` most likely tokens. Logprobs are those of the *raw* model distribution
@@ -27,7 +28,9 @@ from __future__ import annotations
 import msgspec
 from msgspec.structs import force_setattr
 
-__all__ = ["SamplingParams"]
+__all__ = ["SamplingParams", "GREEDY_TEMPERATURE_EPS"]
+
+GREEDY_TEMPERATURE_EPS = 1e-5
 
 
 def _is_int(value: object) -> bool:
@@ -123,8 +126,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def is_greedy(self) -> bool:
-        """True when sampling reduces to argmax of the raw logits (temperature 0 or top_k 1)."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """True when sampling reduces to argmax of the raw logits (temperature ~0 or top_k 1)."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
 
     @property
     def top_k_enabled(self) -> bool:

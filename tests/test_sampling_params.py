@@ -54,6 +54,7 @@ def test_defaults_are_valid_and_not_greedy():
 
 def test_greedy_definitions():
     assert SamplingParams(temperature=0).is_greedy
+    assert SamplingParams(temperature=1e-7).is_greedy
     assert SamplingParams(temperature=0.7, top_k=1).is_greedy
     assert not SamplingParams(temperature=0.7, top_k=2).is_greedy
     assert isinstance(SamplingParams(temperature=0).temperature, float)
