@@ -244,3 +244,20 @@ def test_committed_tokens_follow_target_under_speculation(drafter):
     else:  # the fixed drafter is accepted exactly when the target draws token 3
         assert len(second) == pytest.approx(N * p0[3], rel=0.05)
     _chisq(second, p1)
+
+
+def test_drafter_without_probs_is_unaffected_by_neighbours_with_probs():
+    torch.manual_seed(6)
+    vocab = 9
+    own_logits = torch.randn(4, vocab)
+    other_logits = torch.randn(3, vocab)
+    seeded = SamplingParams(seed=1)
+    results = []
+    for neighbour_probs in (None, torch.softmax(torch.randn(2, vocab), -1)):
+        outs = []
+        gen = torch.Generator().manual_seed(11)
+        for _ in range(20):
+            rows = [SamplingRow(seeded, gen, [2, 5, 7], None), SamplingRow(SamplingParams(), None, [1, 3], neighbour_probs)]
+            outs.append(SAMPLER(torch.cat([own_logits, other_logits]), rows).token_ids[0])
+        results.append(outs)
+    assert results[0] == results[1]
