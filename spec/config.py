@@ -121,6 +121,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
         fields = set(cls.__struct_fields__)
         kwargs: dict[str, Any] = {}
+        origin: dict[str, str] = {}  # field -> the key the user wrote (errors name it)
         for key, value in d.items():
             name = _KEY_ALIASES.get(key, key)
             if name not in fields:
@@ -129,18 +130,22 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
             if name in kwargs:
                 raise ValueError(f"speculative_config[{key!r}] is given twice (alias of {name!r})")
             kwargs[name] = value
+            origin[name] = key
         method = kwargs.get("method", "ngram")
         if isinstance(method, str):
             kwargs["method"] = _METHOD_ALIASES.get(method, method)
         # vLLM rule: one lookup bound given -> the other equals it.
         if "prompt_lookup_min" in kwargs and "prompt_lookup_max" not in kwargs:
             kwargs["prompt_lookup_max"] = kwargs["prompt_lookup_min"]
+            origin["prompt_lookup_max"] = "prompt_lookup_min"
         elif "prompt_lookup_max" in kwargs and "prompt_lookup_min" not in kwargs:
             kwargs["prompt_lookup_min"] = kwargs["prompt_lookup_max"]
+            origin["prompt_lookup_min"] = "prompt_lookup_max"
         try:
             return cls(**kwargs)
         except SpecConfigError as e:
-            raise ValueError(f"speculative_config[{e.key!r}] {e.detail}") from None
+            key = origin.get(e.key, e.key)
+            raise ValueError(f"speculative_config[{key!r}] {e.detail}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
