@@ -16,10 +16,12 @@ TensorRT-LLM (``is_use_oldest=True``) take the earliest. We prefer the most rece
 (a) generation tends to continue the latest copy of a passage: in code editing the newest
 version of a function is the one being rewritten, in multi-turn chat the last answer is the one
 being revised, and in loops the latest iteration carries the current variable values; (b) it is
-what an overwrite-on-insert hash index gives for free. On a proxy measurement (Spec-Bench prompt
-documents, word tokens, predicting each word of a document's second half from its prefix,
-``NgramProposer`` defaults, k = 4) the two policies were within noise of each other
-(see ``compare_policies``); recency costs nothing and wins on edit-style workloads, so it is
+what an overwrite-on-insert hash index gives for free. Proxy measurement (``compare_policies``
+on the 480 Spec-Bench questions, word-level tokens, predicting each word of a question's second
+half from its prefix, n = 2..4, k = 4): acceptance 0.172 (recent) vs 0.171 (earliest) overall,
+equal within 0.02 on every category except the 10 MT-Bench coding questions, where earliest
+won (102 of 180 drafted tokens accepted, 0.57, vs 94 of 212, 0.44). The proxy has no model outputs, so it cannot show the
+edit-style workloads that motivate recency; with no measured difference overall, recency is
 the default and ``prefer="earliest"`` stays available.
 
 Implementation: an incremental per-request hash index ``{n-gram tuple: end position j}`` for
@@ -28,8 +30,9 @@ only the new tokens are indexed (O(new tokens × (max_n-min_n+1)) dict writes) a
 (max_n-min_n+1) dict probes plus a k-token slice: O(1) in L. A batched numpy sliding-window
 compare over a padded [B, L] array (``ngram_propose_reference``'s approach) is O(B·L·n) per
 step, which at L = 2000 costs far more than the hash probes even vectorised (``benchmark``).
-The per-request Python loop is the cost left; it is a few µs per request, far below a forward
-pass. Memory: ~(max_n-min_n+1)·L dict entries per running request, freed when it finishes.
+Measured (``benchmark()``, L = 2000, batch 32, k = 4, 2 shared CPU cores, noisy): 6-10 µs per
+request per step for the index vs 360-510 µs for the numpy reference; indexing a fresh
+2000-token prompt once costs ~1.6 ms. Memory: ~(max_n-min_n+1)·L dict entries per running request, freed when it finishes.
 """
 
 from __future__ import annotations

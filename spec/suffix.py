@@ -26,6 +26,11 @@ context's last bigram. Consequences: matches shorter than 2 tokens are not used 
 default factor 1.0 they could draft one token at most), and a very frequent bigram is judged
 by its most recent ``max_candidates`` occurrences only.
 
+Cost (2 shared CPU cores): ~1 ms to index a fresh 2000-token prompt; per request per step a few
+µs when the context's bigram is new, up to ~150 µs on highly repetitive text (64 candidates all
+matching 24 tokens, 24-token drafts) -- Python loops over candidates, still well below a
+forward pass.
+
 Arctic Inference 0.3.0 (PyPI) was considered as a fast path and rejected: it is published as an
 sdist only; building it needs a C++ toolchain, cmake, nanobind and ``torch>=2.10`` in the build
 environment, and the package is a vLLM plugin. ``arctic_inference.suffix_decoding`` (a nanobind
@@ -234,8 +239,8 @@ class SuffixProposer(BaseProposer):
             if pos + 1 < len(order) and lens[order[pos + 1]] == m:
                 continue  # evaluate each node (distinct match length) once, with all its members
             max_len = min(k, int(self.max_spec_factor * m + self.max_spec_offset))
-            if max_len <= 0:
-                continue
+            if max_len <= 0 or best.score >= max_len:
+                break  # max_len only shrinks with m, and a score is at most max_len
             node = [cands[j] for j in order[:pos + 1]]
             draft, probs, score = _walk(node, max_len, self.min_token_prob)
             if score > best.score:
