@@ -1,0 +1,141 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2 with q/k/v bias, SmolLM2 with tied embeddings).
+
+Plain PyTorch over a FLAT token batch: ``forward(input_ids[T], positions[T], attn_metadata,
+kv_caches) -> hidden[T, H]`` (after the final norm), ``compute_logits(hidden[S, H]) -> [S, V]``
+fp32, only at the rows that are sampled. q/k/v are fused into one weight, gate/up into one.
+
+Batch invariance (measured on this CPU: AMD EPYC, AVX-512, torch 2.13 + MKL 2024.2, 1-2 threads)
+------------------------------------------------------------------------------------------------
+Greedy speculation is lossless only if a position's logits are the same BITS whether it is
+computed alone (decode, 1 row), inside a (1 + k)-row verify, or inside a prefill chunk with other
+requests. Findings:
+
+* fp32 ``F.linear(x[M, K], W)`` (MKL sgemm) has three row paths: M = 1 (gemv), M in {2, 3}, M >= 4;
+  rows differ bitwise between the classes for every shape tried (K, N in 64..4096, N = 49152).
+  Inside the M >= 4 class a row's result does not depend on its position or on M, EXCEPT with 2
+  threads, where MKL splits rows between threads and M in {5, 6, 7, 9, 10, 11} sends a 1-3 row
+  remainder down another path. Padding M up to a multiple of 4 (min 4) made every row of every
+  M in 1..69, 96, 128, 255, 512, 1000, 2048 bitwise equal (1 and 2 threads).
+* bf16 ``F.linear`` (oneDNN): M = 1 differs from M >= 2 for some shapes (K=1536 -> 576, 64 -> 64);
+  M >= 2 is invariant; the same padding covers it.
+* ``F.scaled_dot_product_attention``: not invariant (fp32: 92/96 rows of chunks differ from the
+  same rows decoded alone; bf16 2/96). Replaced by an explicit bmm formulation, see
+  ``kernels/attention/torch_ref.py`` (query rows padded to 4, keys to >= 64, P @ V in fixed 256
+  key tiles, softmax denominator from the same GEMM via a ones column).
+* RMSNorm, RoPE (a precomputed table indexed by position), SiLU, residual adds: row-wise or
+  elementwise; run on the same padded row count anyway.
+
+Chosen approach: ``forward`` pads the flat batch to ``pad_rows(T)`` rows (padding tokens: id 0,
+position 0, no KV write, output dropped) and ``compute_logits`` pads its rows likewise, so every
+GEMM a real row meets runs in the M >= 4, multiple-of-4 class. Cost at batch-1 decode of a
+SmolLM2-135M-shaped fp32 model: see the report in ``tests/test_batch_invariance.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.layers import pad_rows, rms_norm, swiglu
+from engine.model.rope import RotaryTable
+from engine.model_config import ModelConfig
+from kernels.attention.base import AttentionMetadata
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor            # [(H + 2 Hk) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor              # [hidden, H * D]
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor        # [2 I, hidden]
+    down: torch.Tensor           # [hidden, I]
+
+
+def _layer_from_hf(sd: dict[str, torch.Tensor], i: int, bias: bool, dtype, device) -> LayerWeights:
+    p = f"model.layers.{i}."
+
+    def get(name: str) -> torch.Tensor:
+        try:
+            return sd[p + name]
+        except KeyError:
+            raise ValueError(f"state_dict is missing {p + name}") from None
+
+    def cvt(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype=dtype, device=device).contiguous()
+
+    qkv = cvt(torch.cat([get(f"self_attn.{n}_proj.weight") for n in "qkv"]))
+    qkv_bias = (cvt(torch.cat([get(f"self_attn.{n}_proj.bias") for n in "qkv"])) if bias else None)
+    gate_up = cvt(torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]))
+    return LayerWeights(cvt(get("input_layernorm.weight")), qkv, qkv_bias,
+                        cvt(get("self_attn.o_proj.weight")), cvt(get("post_attention_layernorm.weight")),
+                        gate_up, cvt(get("mlp.down_proj.weight")))
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    """Weights live in plain tensors (``self.layers``), not ``nn.Parameter`` s: the forward
+    touches them with no module-attribute overhead. Inference only (no autograd)."""
+
+    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor],
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        super().__init__()
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.resolved_head_dim
+        self.eps = config.rms_norm_eps
+        bias = config.attention_bias or "model.layers.0.self_attn.q_proj.bias" in state_dict
+        if "model.embed_tokens.weight" not in state_dict:
+            raise ValueError("state_dict is missing model.embed_tokens.weight")
+        self.embed = state_dict["model.embed_tokens.weight"].to(dtype=dtype, device=device)
+        self.layers = [_layer_from_hf(state_dict, i, bias, dtype, device)
+                       for i in range(config.num_hidden_layers)]
+        self.norm = state_dict["model.norm.weight"].to(dtype=dtype, device=device)
+        if config.tie_word_embeddings or "lm_head.weight" not in state_dict:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = state_dict["lm_head.weight"].to(dtype=dtype, device=device).contiguous()
+        self.rope = RotaryTable(self.head_dim, config.rope_theta, config.rope_scaling,
+                                config.max_position_embeddings, dtype, device)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        t = input_ids.shape[0]
+        tp = pad_rows(t)
+        if tp != t:  # batch invariance: every GEMM sees a multiple-of-4 row count
+            input_ids = F.pad(input_ids, (0, tp - t))
+            positions = F.pad(positions, (0, tp - t))
+        backend = attn_metadata.backend
+        h, hk, d, q_size, kv_size = self.num_heads, self.num_kv_heads, self.head_dim, self.q_size, self.kv_size
+        cos, sin = self.rope.lookup(positions)
+        x = self.embed[input_ids]
+        for lw, kv_cache in zip(self.layers, kv_caches):
+            hs = rms_norm(x, lw.input_norm, self.eps)
+            qkv = F.linear(hs, lw.qkv, lw.qkv_bias)
+            q = self.rope.apply(qkv[:, :q_size].view(tp, h, d), cos, sin)
+            k = self.rope.apply(qkv[:, q_size:q_size + kv_size].view(tp, hk, d), cos, sin)
+            v = qkv[:, q_size + kv_size:].view(tp, hk, d)
+            backend.write_kv(k, v, kv_cache, attn_metadata)
+            attn = backend.attend(q, kv_cache, attn_metadata)
+            x = x + F.linear(attn.reshape(tp, q_size), lw.o)
+            x = x + swiglu(rms_norm(x, lw.post_norm, self.eps), lw.gate_up, lw.down)
+        return rms_norm(x, self.norm, self.eps)[:t]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [S, H]`` -> fp32 logits ``[S, V]`` (rows padded like ``forward``)."""
+        s = hidden.shape[0]
+        sp = pad_rows(s)
+        if sp != s:
+            hidden = F.pad(hidden, (0, 0, 0, sp - s))
+        return F.linear(hidden, self.lm_head)[:s].float()
