@@ -14,14 +14,15 @@ invariant:
 * query rows are padded to a multiple of 4 (MKL sgemm has three row paths: M=1 gemv, M in
   {2,3}, M>=4; with 2 threads rows are split between threads, so M must also be a multiple of 4);
   GQA groups the G query heads of a kv head into the M dimension: M = G * round_up(q_len, 4);
-* keys are padded to ``np`` >= 64 (MKL's narrow-N kernels (N < 8) differ) and masked to -inf, so
-  a score element is the same 64-term dot product whatever ``np``;
+* keys are padded to ``np``, a multiple of 256, and masked to -inf (MKL's narrow-N kernels,
+  N < 8, differ; a score element is otherwise the same dot product whatever ``np``);
 * softmax weights are ``exp(s - rowmax)`` (max is order independent; masked weights are exact
   zeros) and the denominator comes out of the SAME gemm as the numerator through a ones column
   appended to V (no separate sum reduction whose order would depend on the length);
-* the P @ V reduction runs in fixed key tiles of 256 (MKL's K-blocking changes the summation
-  order beyond K=256), tiles summed in order 0, 1, 2, ...; tiles past a row's causal limit add
-  exact zeros.
+* the P @ V reduction runs in key tiles of EXACTLY 256 (MKL's K-blocking depends on K: a K=192
+  GEMM and a K=256 GEMM with zero tail differ bitwise), tiles summed in order 0, 1, 2, ...;
+  tiles past a row's causal limit add exact zeros. Cost: a short-context decode still scores
+  256 keys (negligible next to the linear layers).
 
 Math is done in fp32 whatever the cache dtype (bf16 inputs are upcast).
 """
@@ -40,8 +41,7 @@ from kernels.attention.base import (
 )
 
 ROW_PAD = 4      # query rows per request padded to a multiple of this
-KEY_PAD = 64     # keys padded to a multiple of this (>= 64) ...
-KEY_TILE = 256   # ... and, past one tile, to a multiple of the P @ V reduction tile
+KEY_TILE = 256   # keys padded to a multiple of this; every P @ V GEMM has K == KEY_TILE
 Q_TILE = 256     # query rows per score tile (memory bound on long prefills)
 
 
@@ -50,8 +50,7 @@ def _round_up(x: int, m: int) -> int:
 
 
 def padded_kv_len(kv_len: int) -> int:
-    np_ = _round_up(kv_len, KEY_PAD)
-    return np_ if np_ <= KEY_TILE else _round_up(kv_len, KEY_TILE)
+    return _round_up(kv_len, KEY_TILE)
 
 
 @dataclass(slots=True)
@@ -125,8 +124,7 @@ class TorchRefBackend(AttentionBackend):
         vp[:kv_len, :, :d] = v
         vp[:kv_len, :, d] = 1.0
         k_t = kp.permute(1, 2, 0)                       # [Hk, D, np]
-        nt = np_ // KEY_TILE if np_ > KEY_TILE else 1
-        tile = np_ // nt
+        nt, tile = np_ // KEY_TILE, KEY_TILE
         v_tiles = vp.view(nt, tile, hk, d + 1).permute(2, 0, 1, 3).reshape(hk * nt, tile, d + 1)
         outs = []
         for r0 in range(0, p.q_len, Q_TILE):
