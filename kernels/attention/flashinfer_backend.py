@@ -99,7 +99,9 @@ class FlashInferBackend(AttentionBackend):
         super().__init__(spec, device)
         if self.device.type != "cuda":
             raise ValueError(f"FlashInferBackend needs a CUDA device, got {self.device}")
-        import flashinfer  # noqa: F401  (fails loudly here, not at import of this module)
+        if spec.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"FlashInferBackend needs a float16/bfloat16 KV cache, got {spec.dtype}")
+        import flashinfer  # fails loudly here, not at import of this module
 
         self._fi = flashinfer
         self.fa_backend = fa_backend
@@ -239,7 +241,7 @@ class GraphAttentionState:
         self.generation += 1
         self.slot_mapping[n:].fill_(-1)
         self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
-        self.row_valid.copy_(torch.arange(self.num_tokens) < n, non_blocking=True)
+        torch.lt(torch.arange(self.num_tokens, device=self.row_valid.device), n, out=self.row_valid)
         data = FlashInferData(self.wrapper, self.is_decode, self.generation, self, self.row_valid)
         return AttentionMetadata(list(qo_indptr), list(kv_lens), block_tables, self.slot_mapping,
                                  self.num_tokens, data, be)
