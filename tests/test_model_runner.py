@@ -1,0 +1,116 @@
+"""ModelRunner on a hand-built SchedulerOutput: decode + verify + partial prefill."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv_cache_alloc import allocate_kv_caches, num_blocks_for_budget
+from engine.model import build_model
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.sampler import SamplerOutput
+from engine.sampling_params import SamplingParams
+from scheduler.output import ScheduledRequest, SchedulerOutput
+from scheduler.request import Request
+
+CFG = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def _sd(cfg):
+    g = torch.Generator().manual_seed(0)
+    h, d = cfg.hidden_size, cfg.resolved_head_dim
+    q, kv, i = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.intermediate_size
+    r = lambda *s: torch.randn(*s, generator=g) * 0.1  # noqa: E731
+    sd = {"model.embed_tokens.weight": r(cfg.vocab_size, h), "model.norm.weight": torch.ones(h),
+          "lm_head.weight": r(cfg.vocab_size, h)}
+    for L in range(cfg.num_hidden_layers):
+        p = f"model.layers.{L}."
+        sd |= {p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
+               p + "self_attn.q_proj.weight": r(q, h), p + "self_attn.k_proj.weight": r(kv, h),
+               p + "self_attn.v_proj.weight": r(kv, h), p + "self_attn.o_proj.weight": r(h, q),
+               p + "mlp.gate_proj.weight": r(i, h), p + "mlp.up_proj.weight": r(i, h),
+               p + "mlp.down_proj.weight": r(h, i)}
+    return sd
+
+
+class RecordingSampler:
+    """Records what the runner hands the sampler; returns argmax of each request's rows."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, logits, rows):
+        self.calls.append((logits.clone(), rows))
+        out, r = [], 0
+        for row in rows:
+            k = row.num_drafts
+            out.append([int(x) for x in logits[r:r + k + 1].argmax(-1)][-1:])
+            r += k + 1
+        return SamplerOutput(out)
+
+
+def _sreq(req, nc, n, toks, spec, table):
+    kw = ({"needs_sample": nc + n >= req.num_tokens}
+          if "needs_sample" in ScheduledRequest.__dataclass_fields__ else {})
+    return ScheduledRequest(req, nc, n, list(toks), list(spec), table, nc == 0, **kw)
+
+
+def test_decode_verify_partial_prefill():
+    bs = 4
+    sampler = RecordingSampler()
+    runner = ModelRunner(build_model(CFG, _sd(CFG)), CFG, allocate_kv_caches(CFG, 32, bs, torch.float32, "cpu"),
+                         bs, sampler)
+    greedy = SamplingParams(temperature=0.0)
+    seeded = SamplingParams(temperature=1.0, seed=7)
+    # decode: 9 tokens, 8 computed, 1 scheduled
+    a = Request("a", list(range(9)), sampling_params=greedy)
+    # verify: 6 committed tokens, 5 computed, last committed + 3 drafts scheduled
+    b = Request("b", list(range(10, 16)), sampling_params=seeded)
+    b.spec_token_ids = [1, 2, 3]
+    # partial prefill: 20-token prompt, first chunk of 7
+    c = Request("c", list(range(20, 40)), sampling_params=greedy)
+    sched = SchedulerOutput([
+        _sreq(a, 8, 1, [8], [], [3, 9, 30]),
+        _sreq(b, 5, 4, [15, 1, 2, 3], [1, 2, 3], [17, 2, 12]),
+        _sreq(c, 0, 7, c.all_token_ids[:7], [], [5, 11]),
+    ], total_num_scheduled_tokens=12)
+    runner.set_draft_probs("b", torch.full((5, CFG.vocab_size), 1 / CFG.vocab_size))
+    ids, pos, md, sample_idx = runner.prepare_inputs(sched)
+    assert ids.tolist() == [8, 15, 1, 2, 3] + list(range(20, 27))
+    assert pos.tolist() == [8, 5, 6, 7, 8] + list(range(7))
+    assert md.slot_mapping.tolist()[:5] == [30 * 4 + 0, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 12 * 4 + 0]
+    assert md.slot_mapping.tolist()[5:] == [20, 21, 22, 23, 44, 45, 46]
+    assert md.qo_indptr == [0, 1, 5, 12] and md.kv_lens == [9, 9, 7]
+    assert sample_idx.tolist() == [0, 1, 2, 3, 4]
+
+    out = runner.execute(sched)
+    assert out.req_ids == ["a", "b", "c"]
+    assert len(out.sampled_token_ids[0]) == 1 and len(out.sampled_token_ids[1]) >= 1
+    assert out.sampled_token_ids[2] == []
+    logits, rows = sampler.calls[-1]
+    assert logits.shape == (5, CFG.vocab_size) and logits.dtype == torch.float32
+    assert [r.draft_token_ids for r in rows] == [[], [1, 2, 3]]
+    assert rows[0].draft_probs is None and rows[1].draft_probs.shape == (3, CFG.vocab_size)
+    assert rows[0].generator is None and rows[1].generator is not None
+    assert not runner._draft_probs  # discarded after the step
+    gen_b = runner.generators["b"]
+
+    # next step: b is finished -> its generator is dropped; a preempted id keeps its state
+    sched2 = SchedulerOutput([_sreq(c, 7, 13, c.all_token_ids[7:], [], [5, 11, 6, 8, 1])],
+                             finished_request_ids=["b"], preempted_request_ids=["a"])
+    out2 = runner.execute(sched2)
+    assert "b" not in runner.generators and "a" in runner.generators
+    assert len(out2.sampled_token_ids[0]) == 1
+    assert sampler.calls[-1][0].shape == (1, CFG.vocab_size)
+    assert gen_b is not None
+
+
+def test_kv_cache_budget():
+    per_block = CFG.num_hidden_layers * 2 * 16 * CFG.num_key_value_heads * CFG.resolved_head_dim * 4
+    assert num_blocks_for_budget(CFG, 16, torch.float32, per_block * 10 + 5) == 10
+    caches = allocate_kv_caches(CFG, 10, 16, torch.float32, "cpu")
+    assert len(caches) == 2 and caches[0].shape == (10, 2, 16, 2, 8)
+    import pytest
+    with pytest.raises(ValueError, match="memory_bytes"):
+        num_blocks_for_budget(CFG, 16, torch.float32, per_block - 1)
