@@ -14,7 +14,6 @@ import os
 import re
 from typing import Any
 
-import gguf
 import torch
 from gguf import GGUFReader, GGUFValueType
 
@@ -121,6 +120,3 @@ def load_gguf(path: str | os.PathLike[str],
         state_dict[hf_name] = w
     return config, state_dict, tokenizer
 
-
-# Re-exported for tests that build GGUF files.
-GGMLQuantizationType = gguf.GGMLQuantizationType
