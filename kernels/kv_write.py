@@ -92,7 +92,9 @@ def _kernel():
         blk = slot // block_size
         off = slot % block_size
         d = tl.arange(0, BLOCK_D).to(tl.int64)
-        m = (d < head_dim) & keep
+        # `d < (keep ? head_dim : 0)`, not `(d < head_dim) & keep`: the triton 3.9 interpreter
+        # rejects a block mask combined with a scalar bool.
+        m = d < tl.where(keep, head_dim, 0)
         kx = tl.load(k_ptr + t * k_st + h * k_sh + d * k_sd, mask=m)
         vx = tl.load(v_ptr + t * v_st + h * v_sh + d * v_sd, mask=m)
         dst = cache_ptr + blk * c_sb + off * c_so + h * c_sh + d * c_sd

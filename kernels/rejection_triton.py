@@ -99,10 +99,12 @@ def _kernel():
                     p = tl.load(target_probs_ptr + row * vocab_size + v, mask=vm, other=0.0)
                     noise = tl.load(exp_noise_ptr + req * vocab_size + v, mask=vm, other=1.0)
                     if HAS_DRAFT_PROBS:
-                        q = tl.load(draft_probs_ptr + (d0 + num_acc).to(tl.int64) * vocab_size + v,
-                                    mask=vm & rejected, other=0.0)
+                        # mask `v < (rejected ? V : 0)`: the triton 3.9 interpreter rejects a
+                        # block mask combined with a scalar bool
+                        q = tl.load(draft_probs_ptr + (d0 + num_acc) * vocab_size + v,
+                                    mask=v < tl.where(rejected, vocab_size, 0), other=0.0)
                     else:
-                        q = tl.where((v == x_e) & rejected, 1.0, 0.0)
+                        q = tl.where(v == x_e, 1.0, 0.0)  # x_e == -1 unless rejected
                     w = tl.maximum(p - q, 0.0)
                     any_w = any_w | tl.max(((w > 0) & vm).to(tl.int32), 0)
                     s_w = tl.where(w > 0, tl.math.div_rn(w, noise), -1.0)
