@@ -25,14 +25,11 @@ class ScheduledRequest:
     spec_token_ids: list[int]
     block_ids: list[int]
     is_new: bool
+    needs_sample: bool
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
-
-    @property
-    def needs_sample(self) -> bool:
-        return self.num_computed_tokens + self.num_tokens >= self.request.num_tokens
 
 
 @dataclass(slots=True)

@@ -1,0 +1,203 @@
+"""KV-cache manager: block tables of requests over one ``BlockPool``.
+
+The manager knows a request only through ``request_id``, ``all_token_ids`` (committed tokens)
+and ``num_computed_tokens``. What it guarantees:
+
+* ``allocate_slots`` reserves every block a step needs, or returns None and changes nothing.
+* ``rewind`` returns blocks that hold only positions past the computed tokens (rejected drafts,
+  an unused lookahead), so after a verify a request holds exactly what its KV needs.
+* Only full blocks of computed, committed tokens are ever hashed: a hashed block never holds a
+  draft, and a prefix-cache hit never covers a request's last token (it is always recomputed,
+  because the step needs its logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kv_cache.block_pool import BlockPool, KVBlock
+from kv_cache.hashing import extend_block_hashes
+
+
+@dataclass(slots=True)
+class KVCacheUsage:
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    usage: float  # fraction of blocks referenced by some request
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
+                 enable_prefix_caching: bool = True) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_block_ids: dict[str, list[int]] = {}
+        self.req_hashes: dict[str, list[int]] = {}
+        self.req_num_cached: dict[str, int] = {}
+        self.prefix_queries = 0  # tokens looked up
+        self.prefix_hits = 0  # tokens found
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (a live list: read it, do not mutate it)."""
+        return self.req_block_ids.get(request_id, [])
+
+    def usage(self) -> KVCacheUsage:
+        pool = self.pool
+        used = pool.num_blocks - pool.num_free_blocks
+        return KVCacheUsage(pool.num_blocks, pool.num_free_blocks, len(pool.cached),
+                            used / pool.num_blocks, self.prefix_queries, self.prefix_hits)
+
+    # ------------------------------------------------------------------ prefix cache
+    def get_computed_blocks(self, request) -> tuple[list[KVBlock], int]:
+        """Longest run of cached full blocks at the start of the request's committed tokens.
+
+        Never the whole sequence: at most ``(num_tokens - 1) // block_size`` blocks, so the last
+        token is always recomputed. Takes no reference; ``allocate_slots`` does.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        tokens = request.all_token_ids
+        hashes = self.req_hashes.setdefault(request.request_id, [])
+        max_blocks = (len(tokens) - 1) // self.block_size
+        extend_block_hashes(hashes, tokens, self.block_size, max_blocks)
+        hits: list[KVBlock] = []
+        lookup = self.pool.lookup
+        for h in hashes[:max_blocks]:
+            block = lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += len(tokens)
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    # ------------------------------------------------------------------ allocation
+    def allocate_slots(self, request, num_new_tokens: int, num_lookahead_tokens: int = 0,
+                       new_computed_blocks: list[KVBlock] | None = None,
+                       num_new_computed_tokens: int = 0) -> list[int] | None:
+        """Reserve room for ``num_new_tokens`` more positions (plus a lookahead tail).
+
+        ``new_computed_blocks`` are prefix-cache hits for a request being admitted (from
+        ``get_computed_blocks``). Returns the request's whole block table, or None when the pool
+        cannot serve the request; then nothing changed.
+        """
+        rid = request.request_id
+        held = self.req_blocks.get(rid)
+        num_held = len(held) if held is not None else 0
+        num_hits = len(new_computed_blocks) if new_computed_blocks else 0
+        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        total = min(total + num_lookahead_tokens, max(total, self.max_model_len))
+        num_needed = -(-total // self.block_size) - num_held - num_hits
+        if num_needed <= 0 and not num_hits and held is not None:
+            return self.req_block_ids[rid]  # fast path: the step fits in the blocks held
+        pool = self.pool
+        # Hits sitting in the free queue are free blocks we are about to take back.
+        revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if num_hits else 0
+        if num_needed > pool.num_free_blocks - revived:
+            return None
+        if held is None:
+            held = self.req_blocks[rid] = []
+            self.req_block_ids[rid] = []
+            self.req_num_cached[rid] = 0
+        ids = self.req_block_ids[rid]
+        if num_hits:
+            pool.touch(new_computed_blocks)
+            held.extend(new_computed_blocks)
+            ids.extend(b.block_id for b in new_computed_blocks)
+            self.req_num_cached[rid] = len(held)
+        if num_needed > 0:
+            new = pool.get_new_blocks(num_needed)
+            held.extend(new)
+            ids.extend(b.block_id for b in new)
+        return ids
+
+    def rewind(self, request, num_lookahead_tokens: int = 0) -> int:
+        """Free tail blocks beyond ``num_computed_tokens + num_lookahead_tokens``; returns how many."""
+        held = self.req_blocks.get(request.request_id)
+        if not held:
+            return 0
+        keep_tokens = min(request.num_computed_tokens + num_lookahead_tokens,
+                          max(request.num_computed_tokens, self.max_model_len))
+        keep = -(-keep_tokens // self.block_size)
+        extra = len(held) - keep
+        if extra <= 0:
+            return 0
+        tail = held[keep:]
+        del held[keep:]
+        del self.req_block_ids[request.request_id][keep:]
+        tail.reverse()
+        self.pool.free_blocks(tail)
+        return extra
+
+    def cache_blocks(self, request) -> None:
+        """Hash the request's full blocks of computed committed tokens (drafts excluded)."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        num_full = min(request.num_computed_tokens, len(request.all_token_ids)) // self.block_size
+        done = self.req_num_cached.get(rid, 0)
+        if num_full <= done:
+            return
+        hashes = self.req_hashes.setdefault(rid, [])
+        extend_block_hashes(hashes, request.all_token_ids, self.block_size, num_full)
+        held = self.req_blocks[rid]
+        cache_block = self.pool.cache_block
+        for i in range(done, num_full):
+            cache_block(held[i], hashes[i])
+        self.req_num_cached[rid] = num_full
+
+    def free(self, request) -> None:
+        """Release every block of the request (tail first) and forget it."""
+        rid = request.request_id
+        held = self.req_blocks.pop(rid, None)
+        self.req_block_ids.pop(rid, None)
+        self.req_num_cached.pop(rid, None)
+        self.req_hashes.pop(rid, None)
+        if held:
+            held.reverse()
+            self.pool.free_blocks(held)
+
+    def drop_hashes(self, request) -> None:
+        """Forget the request's computed hashes (its token list will change, e.g. on preemption)."""
+        self.req_hashes.pop(request.request_id, None)
+
+    # ------------------------------------------------------------------ checks
+    def num_blocks_held(self, request_id: str) -> int:
+        return len(self.req_blocks.get(request_id, ()))
+
+    def check_integrity(self) -> None:
+        """Invariant 4 of DESIGN.md: free + held (counted once) == total; refs match holders."""
+        pool = self.pool
+        pool.check_integrity()
+        refs: dict[int, int] = {}
+        for rid, held in self.req_blocks.items():
+            ids = [b.block_id for b in held]
+            assert ids == self.req_block_ids[rid], f"{rid}: block table out of sync"
+            assert len(set(ids)) == len(ids), f"{rid} holds a block twice"
+            for b in held:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+            assert self.req_num_cached.get(rid, 0) <= len(held)
+        for block in pool.blocks:
+            assert block.ref_cnt == refs.get(block.block_id, 0), (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} != holders {refs.get(block.block_id, 0)}")
+        assert pool.num_free_blocks + len(refs) == pool.num_blocks

@@ -1,0 +1,70 @@
+"""Waiting queues for the two policies.
+
+FCFS: arrival order, except that a preempted request goes back to the head.
+Priority: smallest ``(priority, arrival_index)`` first; a preempted request keeps its key, so it
+comes back in its rightful place.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from typing import Iterator
+
+from scheduler.request import Request
+
+
+class FCFSQueue:
+    def __init__(self) -> None:
+        self._q: deque[Request] = deque()
+
+    def add(self, request: Request) -> None:
+        self._q.append(request)
+
+    def prepend(self, request: Request) -> None:
+        self._q.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._q[0]
+
+    def pop(self) -> Request:
+        return self._q.popleft()
+
+    def remove(self, request: Request) -> None:
+        self._q.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
+
+
+class PriorityQueue:
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, Request]] = []
+
+    def add(self, request: Request) -> None:
+        heapq.heappush(self._heap, (request.priority, request.arrival_index, request))
+
+    prepend = add
+
+    def peek(self) -> Request:
+        return self._heap[0][2]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[2]
+
+    def remove(self, request: Request) -> None:
+        self._heap = [e for e in self._heap if e[2] is not request]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (e[2] for e in sorted(self._heap, key=lambda e: (e[0], e[1])))
+
+
+def make_queue(policy: str) -> FCFSQueue | PriorityQueue:
+    return PriorityQueue() if policy == "priority" else FCFSQueue()

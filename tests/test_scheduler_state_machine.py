@@ -1,0 +1,9 @@
+"""The stateful Hypothesis test over scheduler + KV cache (DESIGN.md invariants 1-8)."""
+
+from hypothesis import HealthCheck, settings
+
+from scheduler.testing.state_machine import SchedulerMachine
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=400, stateful_step_count=60, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])
