@@ -1,0 +1,154 @@
+"""Per-request, per-position draft acceptance estimates (Beta posteriors, updated online).
+
+Model: a_{r,j} = P(draft j of request r is accepted | drafts 0..j-1 were accepted). One verify
+of ``n`` drafts with ``a`` accepted is a Bernoulli trial at positions j < min(n, a + 1) and a
+success at positions j < a (acceptance is a prefix, so positions past the first rejection were
+never tested and carry no evidence).
+
+Estimates (posterior means):
+
+* engine-wide, per position: p_j = (prior_alpha + S_j) / (prior_alpha + prior_beta + N_j),
+  where S_j / N_j are successes / trials over all requests. ``prior_alpha`` / ``prior_beta`` is
+  the configured Beta prior of the method (pseudo-counts).
+* per request: a_{r,j} = (s * p_j + s_{r,j}) / (s + n_{r,j}), i.e. a Beta prior centred on the
+  engine-wide figure with strength s = ``prior_strength`` pseudo-trials. A new request therefore
+  starts at the engine-wide mean and moves toward its own measured rate as evidence arrives.
+
+Staleness (why estimates recover after a request stops drafting):
+
+* Per-request evidence is discounted by ``decay`` at every verify of that request (all positions
+  at once), so the effective window is ~1 / (1 - decay) verifies and a position that has not been
+  tested recently drifts back toward the engine-wide mean instead of keeping an old verdict.
+  The price is a bias toward the engine-wide mean of at most s / (s + 1 / (1 - decay)).
+* Engine-wide evidence is discounted by ``global_decay`` once per engine step
+  (``decay_global``), so when nobody drafts for a while the engine-wide figure reverts to the
+  configured prior — which lets the controller start probing again (see ``spec.adaptive``).
+
+Storage is slot-based (one row of a 2-D numpy array per live request) so the controller can
+gather a whole batch's estimates with one fancy index; ``forget`` frees the row.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+
+class AcceptanceEstimator:
+    def __init__(self, max_k: int, *, prior_alpha: float = 1.0, prior_beta: float = 1.0,
+                 prior_strength: float = 2.0, decay: float = 0.95,
+                 global_decay: float = 0.99, initial_slots: int = 64) -> None:
+        if max_k < 1:
+            raise ValueError(f"max_k must be >= 1, got {max_k}")
+        if prior_alpha <= 0 or prior_beta <= 0:
+            raise ValueError(f"prior_alpha and prior_beta must be > 0, got {prior_alpha}, "
+                             f"{prior_beta}")
+        if prior_strength <= 0:
+            raise ValueError(f"prior_strength must be > 0, got {prior_strength}")
+        for name, v in (("decay", decay), ("global_decay", global_decay)):
+            if not 0.0 < v <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {v}")
+        self.max_k = int(max_k)
+        self.prior_alpha = float(prior_alpha)
+        self.prior_beta = float(prior_beta)
+        self.prior_strength = float(prior_strength)
+        self.decay = float(decay)
+        self.global_decay = float(global_decay)
+        n = max(1, int(initial_slots))
+        self._succ = np.zeros((n, self.max_k))
+        self._trials = np.zeros((n, self.max_k))
+        # Controller bookkeeping per slot: engine step of the last verify that had drafts.
+        self.last_drafted_step = np.zeros(n, dtype=np.int64)
+        self._slot: dict[str, int] = {}
+        self._free: list[int] = list(range(n - 1, -1, -1))
+        self.global_succ = np.zeros(self.max_k)
+        self.global_trials = np.zeros(self.max_k)
+
+    # ---- slots ----
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._slot
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def slot(self, request_id: str, step: int = 0) -> int:
+        """The row of ``request_id``, created (at the engine-wide prior) on first use."""
+        s = self._slot.get(request_id)
+        if s is None:
+            if not self._free:
+                self._grow()
+            s = self._free.pop()
+            self._succ[s] = 0.0
+            self._trials[s] = 0.0
+            self.last_drafted_step[s] = step
+            self._slot[request_id] = s
+        return s
+
+    def slots(self, request_ids: Sequence[str], step: int = 0) -> np.ndarray:
+        get = self._slot.get
+        out = np.fromiter((get(r, -1) for r in request_ids), dtype=np.int64,
+                          count=len(request_ids))
+        for i in np.flatnonzero(out < 0):
+            out[i] = self.slot(request_ids[i], step)
+        return out
+
+    def _grow(self) -> None:
+        n = len(self._succ)
+        self._succ = np.concatenate([self._succ, np.zeros_like(self._succ)])
+        self._trials = np.concatenate([self._trials, np.zeros_like(self._trials)])
+        self.last_drafted_step = np.concatenate(
+            [self.last_drafted_step, np.zeros_like(self.last_drafted_step)])
+        self._free.extend(range(2 * n - 1, n - 1, -1))
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished/aborted request's evidence (its engine-wide share stays)."""
+        s = self._slot.pop(request_id, None)
+        if s is not None:
+            self._free.append(s)
+
+    # ---- estimates ----
+    def global_probs(self) -> np.ndarray:
+        """Engine-wide p_j per position (shape [max_k])."""
+        return ((self.prior_alpha + self.global_succ)
+                / (self.prior_alpha + self.prior_beta + self.global_trials))
+
+    def probs(self, slots: np.ndarray) -> np.ndarray:
+        """a_{r,j} for the given rows (shape [len(slots), max_k]), each in (0, 1)."""
+        s = self.prior_strength
+        return (s * self.global_probs() + self._succ[slots]) / (s + self._trials[slots])
+
+    def estimate(self, request_id: str) -> list[float]:
+        """a_{r,j} of one request (the engine-wide prior if it has no row)."""
+        if request_id not in self._slot:
+            return self.global_probs().tolist()
+        return self.probs(np.array([self._slot[request_id]]))[0].tolist()
+
+    # ---- evidence ----
+    def observe(self, request_id: str, num_draft: int, num_accepted: int, step: int = 0) -> None:
+        """One verify of ``request_id``: ``num_draft`` drafts, the first ``num_accepted`` kept.
+
+        ``num_draft == 0`` (a plain decode step) carries no acceptance evidence.
+        """
+        if not 0 <= num_accepted <= num_draft:
+            raise ValueError(f"need 0 <= num_accepted <= num_draft, got {num_accepted}, "
+                             f"{num_draft}")
+        if num_draft == 0:
+            return
+        s = self.slot(request_id, step)
+        self.last_drafted_step[s] = step
+        tested = min(num_draft, num_accepted + 1, self.max_k)
+        won = min(num_accepted, self.max_k)
+        succ, trials = self._succ[s], self._trials[s]
+        succ *= self.decay
+        trials *= self.decay
+        trials[:tested] += 1.0
+        succ[:won] += 1.0
+        self.global_trials[:tested] += 1.0
+        self.global_succ[:won] += 1.0
+
+    def decay_global(self) -> None:
+        """Discount engine-wide evidence once per engine step (reverts to the prior when idle)."""
+        if self.global_decay < 1.0:
+            self.global_succ *= self.global_decay
+            self.global_trials *= self.global_decay
