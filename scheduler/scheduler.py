@@ -39,6 +39,9 @@ class Scheduler:
                      else attrgetter("arrival_index"))
         self._next_arrival = 0
         self._finished_pending: list[str] = []
+        # Requests that finished or were aborted, for components that keep per-request state
+        # (drafters, output processors); drained with ``pop_finished_requests``.
+        self._finished_requests: list[Request] = []
         self._preempted_pending: list[str] = []
         self._in_step = False
         self.num_preemptions = 0
@@ -71,6 +74,11 @@ class Scheduler:
         request.spec_token_ids = []
         del self.requests[request.request_id]
         self._finished_pending.append(request.request_id)
+        self._finished_requests.append(request)
+
+    def pop_finished_requests(self) -> list[Request]:
+        done, self._finished_requests = self._finished_requests, []
+        return done
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

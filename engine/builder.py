@@ -1,0 +1,105 @@
+"""Start-up: load the model, size the KV pool, wire scheduler, runner, speculator, outputs.
+
+Everything derived here (device, dtype, ``max_model_len``, number of KV blocks) is computed from
+the frozen ``EngineConfig`` plus the model and the machine, and logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache_alloc import allocate_kv_caches, num_blocks_for_budget
+from engine.loader import load_model_files
+from engine.model import build_model
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor
+from engine.sampler import Sampler
+from engine.tokenizer import Tokenizer
+from scheduler.config import SchedulerConfig
+from scheduler.scheduler import Scheduler
+from spec.config import SpeculativeConfig
+from spec.speculator import Speculator
+
+logger = logging.getLogger("tokenbudget")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class EngineParts:
+    model_config: ModelConfig
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    scheduler: Scheduler
+    runner: ModelRunner
+    speculator: Speculator
+    output_processor: OutputProcessor
+    device: torch.device
+    dtype: torch.dtype
+    source: str
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    spec_config = (SpeculativeConfig.from_dict(config.speculative_config)
+                   if config.speculative_config is not None else None)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    torch.manual_seed(config.seed)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    loaded = load_model_files(config.model, dtype=torch.float32 if dtype == torch.float32 else dtype)
+    mcfg = loaded.config
+    model = build_model(mcfg, loaded.state_dict, dtype, device)
+    loaded.state_dict.clear()
+    num_blocks = num_blocks_for_budget(mcfg, config.block_size, dtype, config.kv_cache_memory_bytes)
+    max_model_len = config.max_model_len or min(mcfg.max_position_embeddings, num_blocks * config.block_size)
+    if max_model_len > mcfg.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's context "
+                         f"({mcfg.max_position_embeddings} positions)")
+    lookahead = spec_config.max_spec_tokens if spec_config is not None and spec_config.uses_draft_kv else 0
+    sched_config = SchedulerConfig(
+        max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len, block_size=config.block_size, num_blocks=num_blocks,
+        enable_prefix_caching=config.enable_prefix_caching, policy=config.scheduling_policy,
+        long_prefill_token_threshold=config.long_prefill_token_threshold, num_lookahead_tokens=lookahead)
+    scheduler = Scheduler(sched_config)
+    kv_caches = allocate_kv_caches(mcfg, num_blocks, config.block_size, dtype, device)
+    runner = ModelRunner(model, mcfg, kv_caches, config.block_size, Sampler(), device)
+    parts = EngineParts(mcfg, model, loaded.tokenizer, scheduler, runner, Speculator(),
+                        OutputProcessor(loaded.tokenizer), device, dtype, loaded.source)
+    if spec_config is not None:
+        parts.speculator = _build_speculator(spec_config, parts)
+    logger.info("tokenbudget: %s on %s (%s), max_model_len=%d, %d KV blocks of %d tokens, speculation=%s",
+                loaded.source, device, str(dtype).removeprefix("torch."), max_model_len, num_blocks,
+                config.block_size, spec_config.method if spec_config else "off")
+    return parts
+
+
+def _build_speculator(spec_config: SpeculativeConfig, parts: EngineParts) -> Speculator:
+    from spec.factory import build_controller, build_proposer
+    max_model_len = parts.scheduler.config.max_model_len
+    proposer = build_proposer(spec_config, max_model_len, target=parts)
+    cost_model = None
+    if spec_config.is_adaptive:
+        from engine.step_cost import measure_runner_costs
+        cost_model = measure_runner_costs(parts.runner, parts.scheduler.config)
+    return Speculator(spec_config, proposer, build_controller(spec_config, cost_model))

@@ -1,0 +1,59 @@
+"""Engine options: one frozen, validated struct (a bad value raises ValueError naming the field).
+
+Values that depend on the loaded model or the machine (the device actually used, the number of
+KV blocks the memory budget buys, the effective ``max_model_len``) are derived by the engine at
+start-up and never written back here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+DEFAULT_KV_CACHE_MEMORY = 512 * 1024 * 1024
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    model: str | None = None  # HF directory or .gguf file; None = SmolLM2-135M-Instruct
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on CUDA
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_model_len: int | None = None  # None: the model's context, capped by the KV pool
+    block_size: int = 16
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    long_prefill_token_threshold: int = 0
+    speculative_config: dict[str, Any] | None = None
+    num_threads: int | None = None  # torch CPU threads; None leaves torch's default
+    seed: int = 0  # seeds the global RNG used by unseeded sampled requests
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("max_model_len", "num_threads"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be one of auto/float32/bfloat16/float16, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
+            raise ValueError("speculative_config must be a dict (or None)")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        fields = set(cls.__struct_fields__)
+        unknown = sorted(set(kwargs) - fields)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(fields)}")
+        return cls(**kwargs)

@@ -1,0 +1,89 @@
+"""``LLM``: offline batch generation, the way vLLM users write it.
+
+    llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.prompts import PromptInput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        self.engine = LLMEngine(model=model, **options)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        Every prompt is validated before any is queued, so a bad one raises ValueError and
+        nothing runs.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            params = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for rid, prompt, p, prio in zip(ids, prompts, params, priorities):
+                self.engine.add_request(rid, prompt, p, prio)
+                added.append(rid)
+        except ValueError:
+            for rid in added:
+                self.engine.abort_request(rid, missing_ok=True)
+            raise
+        return self._run(ids, use_tqdm and len(ids) > 1)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="Generating", unit="req", dynamic_ncols=True)
+        try:
+            while len(final) < len(ids) and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [final[i] for i in ids]
+
+    def get_spec_stats(self):
+        return self.engine.get_spec_stats()

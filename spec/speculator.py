@@ -1,0 +1,80 @@
+"""Glue between a proposer and the engine loop: who gets drafts, how many, and the metrics.
+
+Each step, after ``update_from_output``: the running requests whose committed tokens all have KV
+but the last (i.e. decoding) and whose ``max_spec_tokens`` allows it get up to k drafts, where k
+is the configured ``num_speculative_tokens`` or, with ``"auto"``, the adaptive controller's
+choice. Drafter probabilities (draft model) go to the runner; drafts go to the scheduler, which
+clips them to ``max_model_len`` and ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scheduler.output import EngineCoreOutput
+from spec.config import SpeculativeConfig
+from spec.metrics import SpecDecodingStats
+
+
+class Speculator:
+    """With no config it is disabled: it only drains the scheduler's finished requests."""
+
+    def __init__(self, config: SpeculativeConfig | None = None, proposer=None, controller: Any = None) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.controller = controller
+        self.max_k = config.max_spec_tokens if config is not None else 0
+        self.stats = SpecDecodingStats()
+
+    @property
+    def enabled(self) -> bool:
+        return self.proposer is not None
+
+    def after_step(self, outputs: list[EngineCoreOutput], scheduler, runner) -> None:
+        finished = scheduler.pop_finished_requests()
+        if self.proposer is None:
+            return
+        self.observe(outputs)
+        for request in finished:
+            self.proposer.on_request_finished(request)
+            if self.controller is not None:
+                self.controller.forget(request.request_id)
+        self.propose(scheduler, runner)
+
+    def observe(self, outputs: list[EngineCoreOutput]) -> None:
+        stats, controller = self.stats, self.controller
+        for out in outputs:
+            if out.num_draft_tokens:
+                stats.observe(out.num_draft_tokens, out.num_accepted_tokens)
+                if controller is not None:
+                    controller.observe(out.request_id, out.num_draft_tokens, out.num_accepted_tokens)
+
+    def propose(self, scheduler, runner) -> None:
+        decoding = [r for r in scheduler.running
+                    if r.num_computed_tokens == r.num_tokens - 1 and r.max_spec_tokens != 0]
+        if not decoding:
+            return
+        if self.controller is not None:
+            ks = self.controller.choose(decoding, self._base_tokens(scheduler, decoding))
+        else:
+            ks = [self.max_k if r.max_spec_tokens is None else min(self.max_k, r.max_spec_tokens)
+                  for r in decoding]
+        num_zero = sum(1 for k in ks if k == 0)  # verified k > 0 are counted by observe()
+        if num_zero:
+            self.stats.k_histogram[0] = self.stats.k_histogram.get(0, 0) + num_zero
+        chosen = [(r, k) for r, k in zip(decoding, ks) if k > 0]
+        if not chosen:
+            return
+        reqs = [r for r, _ in chosen]
+        drafts = self.proposer.propose(reqs, [k for _, k in chosen])
+        probs = self.proposer.take_draft_probs()
+        if probs is not None:
+            for r, p, d in zip(reqs, probs, drafts):
+                if p is not None and d:
+                    runner.set_draft_probs(r.request_id, p[:len(d)])
+        scheduler.update_draft_token_ids({r.request_id: d for r, d in zip(reqs, drafts) if d})
+
+    @staticmethod
+    def _base_tokens(scheduler, decoding) -> int:
+        """Tokens the next step runs besides the decoding requests' 1 + k (prefill chunks)."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in scheduler.running) - len(decoding)
