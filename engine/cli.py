@@ -1,0 +1,28 @@
+"""The ``tokenbudget`` console script: ``generate`` and ``fuzz``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenbudget", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    from engine import cli_generate
+    cli_generate.add_parser(sub)
+    try:
+        from engine import cli_fuzz
+        cli_fuzz.add_parser(sub)
+    except ImportError:  # pragma: no cover - fuzz CLI is optional at import time
+        cli_fuzz = None
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except ValueError as exc:
+        print(f"tokenbudget: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
