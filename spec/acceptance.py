@@ -7,9 +7,13 @@ never tested and carry no evidence).
 
 Estimates (posterior means):
 
-* engine-wide, per position: p_j = (prior_alpha + S_j) / (prior_alpha + prior_beta + N_j),
-  where S_j / N_j are successes / trials over all requests. ``prior_alpha`` / ``prior_beta`` is
-  the configured Beta prior of the method (pseudo-counts).
+* engine-wide, per position: p_0 = (prior_alpha + S_0) / (prior_alpha + prior_beta + N_0) and
+  p_j = (n0 * p_{j-1} + S_j) / (n0 + N_j) for j > 0, where S_j / N_j are successes / trials
+  over all requests and n0 = prior_alpha + prior_beta. ``prior_alpha`` / ``prior_beta`` is the
+  configured Beta prior of the method (pseudo-counts); deeper positions take the previous
+  position's estimate as their prior mean, so a position nobody has reached yet is assumed to
+  behave like the deepest measured one. (A fixed prior there would never be explored: if the
+  prior is pessimistic the optimiser never drafts that deep, so it never learns otherwise.)
 * per request: a_{r,j} = (s * p_j + s_{r,j}) / (s + n_{r,j}), i.e. a Beta prior centred on the
   engine-wide figure with strength s = ``prior_strength`` pseudo-trials. A new request therefore
   starts at the engine-wide mean and moves toward its own measured rate as evidence arrives.
@@ -109,9 +113,13 @@ class AcceptanceEstimator:
 
     # ---- estimates ----
     def global_probs(self) -> np.ndarray:
-        """Engine-wide p_j per position (shape [max_k])."""
-        return ((self.prior_alpha + self.global_succ)
-                / (self.prior_alpha + self.prior_beta + self.global_trials))
+        """Engine-wide p_j per position (shape [max_k]); see the module docstring."""
+        n0 = self.prior_alpha + self.prior_beta
+        out = np.empty(self.max_k)
+        prev = self.prior_alpha / n0
+        for j, (sj, nj) in enumerate(zip(self.global_succ.tolist(), self.global_trials.tolist())):
+            prev = out[j] = (n0 * prev + sj) / (n0 + nj)
+        return out
 
     def probs(self, slots: np.ndarray) -> np.ndarray:
         """a_{r,j} for the given rows (shape [len(slots), max_k]), each in (0, 1)."""

@@ -96,19 +96,24 @@ def expected_tokens(accept_probs: np.ndarray, k: np.ndarray) -> np.ndarray:
 
 def optimal_draft_lengths(accept_probs: np.ndarray, caps: np.ndarray, base_tokens: int,
                           cost: CostFn, drafter_cost: CostFn | None = None,
-                          ) -> tuple[np.ndarray, float, float]:
+                          min_gain: float = 0.0) -> tuple[np.ndarray, float, float]:
     """Exact maximiser of R(k) (see the module docstring). Returns (k, numerator, denominator).
 
     accept_probs: [B, K] conditional acceptance probabilities in [0, 1].
     caps: [B] per-request upper bounds on k_i (clipped to [0, K]).
     cost / drafter_cost: vectorised over an int array of total tokens / total drafts.
+    min_gain: drafts whose marginal expected tokens m_{i,j} fall below it are never taken (rows
+        are non-increasing, so this only lowers caps; with 0 the result is the exact optimum).
     """
     a = np.asarray(accept_probs, dtype=np.float64)
     b, kmax = a.shape
     caps = np.clip(np.asarray(caps, dtype=np.int64), 0, kmax)
+    marg = np.cumprod(a, axis=1)
     valid = np.arange(kmax)[None, :] < caps[:, None]
+    if min_gain > 0:
+        valid &= marg >= min_gain
     rows = np.nonzero(valid)[0]
-    gains = np.cumprod(a, axis=1)[valid]          # row-major: lower position first per row
+    gains = marg[valid]          # row-major: lower position first per row
     order = np.argsort(-gains, kind="stable")     # stable: ties keep lower position first
     num = b + np.concatenate(([0.0], np.cumsum(gains[order])))
     d = np.arange(len(num), dtype=np.int64)
@@ -133,12 +138,16 @@ class AdaptiveSpecController:
         linear) — measure one with ``measure_step_costs`` instead.
     drafter_cost: drafter seconds per draft token (float) or a ``StepCostModel`` over D.
     probe_interval: steps without a drafted verify before a request may be probed (0 = never).
+    min_draft_gain: a draft expected to add fewer tokens than this is never proposed (covers
+        proposer and bookkeeping overheads the cost model does not see; keeps k = 0 at
+        acceptance ~0 even where the step cost is flat).
     """
 
     def __init__(self, max_k: int, *, prior_alpha: float = 1.0, prior_beta: float = 1.0,
                  prior_strength: float = 2.0, decay: float = 0.95, global_decay: float = 0.99,
                  cost_model: StepCostModel | None = None,
-                 drafter_cost: float | StepCostModel = 0.0, probe_interval: int = 16) -> None:
+                 drafter_cost: float | StepCostModel = 0.0, probe_interval: int = 16,
+                 min_draft_gain: float = 0.01) -> None:
         if probe_interval < 0:
             raise ValueError(f"probe_interval must be >= 0, got {probe_interval}")
         if isinstance(drafter_cost, (int, float)) and drafter_cost < 0:
@@ -151,6 +160,7 @@ class AdaptiveSpecController:
             1.0, 1.0 / 128, knee_tokens=128)
         self.drafter_cost = drafter_cost
         self.probe_interval = int(probe_interval)
+        self.min_draft_gain = float(min_draft_gain)
         self.step = 0
         self.k_histogram: dict[int, int] = {}
         self.num_probes = 0
@@ -209,7 +219,7 @@ class AdaptiveSpecController:
         slots = self.acceptance.slots([r.request_id for r in requests], self.step)
         probs = self.acceptance.probs(slots)
         k, num, _ = optimal_draft_lengths(probs, cap, base_tokens, self.cost_model.cost,
-                                          self._drafter_fn())
+                                          self._drafter_fn(), self.min_draft_gain)
         cost = self._step_cost(base_tokens, b)
         n_probes = self._add_probes(k, cap, slots, num, cost)
         num += n_probes * float(self.acceptance.global_probs()[0])
@@ -230,6 +240,8 @@ class AdaptiveSpecController:
         if len(cand) == 0:
             return 0
         g = float(self.acceptance.global_probs()[0])
+        if g < self.min_draft_gain:
+            return 0
         d0 = int(k.sum())
         m = np.arange(len(cand) + 1)
         ratio = (num + g * m) / cost(d0 + m)
