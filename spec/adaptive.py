@@ -41,21 +41,22 @@ Per-request control: ``Request.max_spec_tokens`` (None = engine default ``max_k`
 caps k_i; ``choose(..., caps=...)`` takes further caps (e.g. ``spec.proposer.draft_limit``
 for the request's remaining length) so the plan does not count drafts that would be clipped.
 
-Engine integration (one step; the controller is used only when ``SpeculativeConfig.is_adaptive``):
+Engine integration (one step; only when ``SpeculativeConfig.is_adaptive``; ``spec.speculator``
+is the glue that does the per-request part):
 
     ctrl = AdaptiveSpecController.from_config(spec_config, cost_model=measure_step_costs(
                runner_forward, default_grid(max_num_batched_tokens)))   # at start-up
     ...
     sched = scheduler.schedule(); out = runner.execute(sched)            # timed: seconds
     ctrl.observe_step(sched.total_num_scheduled_tokens, seconds)        # cost_model.update
-    done = scheduler.update_from_output(sched, out)
-    for each request output o that verified this step:
-        ctrl.observe(o.request_id, o.num_draft_tokens, o.num_accepted_tokens)
+    outputs = scheduler.update_from_output(sched, out)
+    for o in outputs: ctrl.observe(o.request_id, o.num_draft_tokens, o.num_accepted_tokens)
     for each finished/aborted request r: ctrl.forget(r.request_id)
-    reqs = decoding running requests
-    ks = ctrl.choose(reqs, base_tokens=<prefill tokens expected next step, e.g. last step's>,
-                     caps=[draft_limit(r, max_model_len) for r in reqs])
-    scheduler.update_draft_token_ids(propose_clipped(proposer, reqs, ks, max_model_len))
+    reqs = running requests that are decoding
+    ks = ctrl.choose(reqs, base_tokens=<next step's other tokens, e.g. pending prefill>,
+                     caps=[draft_limit(r, max_model_len) for r in reqs])   # caps optional
+    drafts = proposer.propose(reqs, ks)                                  # k_i = 0: skip
+    scheduler.update_draft_token_ids({r.request_id: d for r, d in zip(reqs, drafts) if d})
 
 The proposer may return fewer than k_i drafts; ``observe`` uses what was verified. For a draft
 model pass ``drafter_cost`` (seconds per draft token, or a ``StepCostModel`` over D).
