@@ -255,7 +255,8 @@ class AdaptiveSpecController:
 
     # ---- feedback ----
     def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
-        """After ``update_from_output``: the request verified ``num_draft``, kept ``num_accepted``."""
+        """After ``update_from_output``: the request verified ``num_draft``, kept
+        ``num_accepted``."""
         self.acceptance.observe(request_id, num_draft, num_accepted, self.step)
 
     def observe_step(self, total_tokens: int, seconds: float) -> None:

@@ -122,7 +122,10 @@ class StepCostModel:
     def linear(cls, fixed: float, per_token: float, max_tokens: int = 8192,
                knee_tokens: int = 0, **kwargs) -> StepCostModel:
         """Synthetic roofline: ``fixed`` up to ``knee_tokens``, then + ``per_token`` each."""
-        grid = sorted(set(default_grid(max_tokens)) | ({knee_tokens} if knee_tokens >= 1 else set()))
+        grid = set(default_grid(max_tokens))
+        if knee_tokens >= 1:
+            grid.add(knee_tokens)
+        grid = sorted(grid)
         return cls(grid, [fixed + per_token * max(0, t - knee_tokens) for t in grid], **kwargs)
 
     # ---- queries ----
