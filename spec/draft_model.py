@@ -1,0 +1,222 @@
+"""Model drafters: a separate small model ("draft_model") or the target's first N layers ("self_draft").
+
+Per engine step, for the decoding requests the speculator hands over (every committed token but
+the last has target KV: ``num_computed_tokens == L - 1`` with ``L = len(all_token_ids)``):
+
+1. Catch-up. Each request's drafter KV is valid for positions ``[0, num_draft_computed)``, with
+   ``num_draft_computed`` clamped to the request's ``num_computed_tokens`` every step (drafter
+   positions past it hold drafts that were rejected, or were never verified, and are simply
+   overwritten). The drafter runs positions ``[num_draft_computed, L)`` (committed tokens) and
+   samples draft 1 from the logits at ``L - 1``. Catch-up chunks of all requests share one flat
+   forward, split into rounds of at most ``max_num_batched_tokens`` tokens (a request seen for
+   the first time recomputes its whole prefix, like a prefill).
+2. k - 1 batched single-token forwards: draft j is fed at position ``L - 1 + j`` and draft j + 1
+   sampled from its logits. Positions written: up to ``L + k - 2``, which the scheduler's
+   lookahead reservation (``num_lookahead_tokens = max_spec_tokens``) covers.
+   Afterwards ``num_draft_computed = L + k - 1``.
+
+Why the clamp is exact: after a verify that accepted a of the drafts, ``num_computed_tokens ==
+L + a`` and drafter positions ``L .. L + a - 1`` hold the accepted drafts, i.e. the committed
+tokens; position ``L + a`` onwards holds a rejected draft (or nothing).
+
+When the drafter's KV is thrown away (``num_draft_computed = 0``):
+* first sight of a request. Prefix-cache hits give a new request the target's KV of a shared
+  prefix, but the drafter's KV in those blocks may be missing (the earlier request was never
+  drafted, or the blocks were evicted and reused), so the drafter recomputes the prefix. Writing
+  a shared block's drafter slots again is harmless: same tokens, same positions, same values.
+* preemption (``request.num_preemptions`` changed): the request's blocks were freed and it was
+  recomputed into new ones.
+
+Sampling: greedy requests (``params.is_greedy``) take the drafter's argmax (ties: lowest id) and
+get no probabilities (``take_draft_probs`` entry None: greedy verification never reads q, and
+the rejection sampler's rule for a drafter without probabilities, q(x) = 1, is what a one-hot q
+would give). Random requests sample from q = softmax of the drafter logits processed with the
+request's own temperature / min-p / top-k / top-p (``engine.sampler.compute_target_probs``, the
+same processing p gets), and q ([k, V] float32) is handed to the rejection sampler, so the output
+distribution is the target's whatever the drafter. A request with ``params.seed`` gets its own
+drafter ``torch.Generator`` seeded from ``seed`` (a stream separate from the target sampler's),
+so its tokens do not depend on its batch neighbours; others draw from the global RNG.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from engine.sampler import compute_target_probs
+from scheduler.request import Request
+from spec.draft_runner import DraftRunner
+from spec.proposer import BaseProposer, draft_limit
+
+_SEED_SALT = 0x5EED_D8AF7  # drafter stream != the target sampler's stream for the same seed
+
+
+@dataclass(slots=True)
+class _DraftState:
+    num_computed: int = 0          # drafter KV valid for positions [0, num_computed) (pre-clamp)
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+
+
+class DraftModelProposer(BaseProposer):
+    """Drafts with a model through :class:`DraftRunner`; block tables come from ``kv_manager``."""
+
+    def __init__(self, runner: DraftRunner, kv_manager, max_model_len: int,
+                 max_batch_tokens: int = 2048) -> None:
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        self.runner = runner
+        self.kv = kv_manager
+        self.max_model_len = max_model_len
+        self.max_batch_tokens = max_batch_tokens
+        self._state: dict[str, _DraftState] = {}
+        self._probs: list[torch.Tensor | None] | None = None
+        # Counters (for tests and benchmarks): tokens the drafter ran, split by kind.
+        self.num_catchup_tokens = 0
+        self.num_draft_forward_tokens = 0
+
+    @classmethod
+    def from_config(cls, spec_config, max_model_len: int, target) -> DraftModelProposer:
+        """``target``: the engine's ``EngineParts`` (model, model_config, scheduler, device, dtype)."""
+        if target is None:
+            raise ValueError(f"speculative_config['method'] {spec_config.method!r} needs the "
+                             "loaded target model")
+        sched_cfg = target.scheduler.config
+        common = (sched_cfg.num_blocks, sched_cfg.block_size, target.dtype, target.device)
+        tcfg = target.model_config
+        if spec_config.method == "self_draft":
+            n = spec_config.draft_num_layers
+            if n > tcfg.num_hidden_layers:
+                raise ValueError(f"speculative_config['draft_num_layers'] {n} exceeds the target's "
+                                 f"{tcfg.num_hidden_layers} layers")
+            runner = DraftRunner.self_draft(target.model, tcfg, n, *common)
+        elif spec_config.method == "draft_model":
+            runner = _load_draft_model(spec_config.model, tcfg, max_model_len, common)
+        else:
+            raise ValueError(f"speculative_config['method'] {spec_config.method!r} is not a model drafter")
+        return cls(runner, target.scheduler.kv, max_model_len, sched_cfg.max_num_batched_tokens)
+
+    # ---- Proposer interface ----
+    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
+        if len(requests) != len(num_tokens):
+            raise ValueError(f"num_tokens has {len(num_tokens)} entries for {len(requests)} requests")
+        drafts: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor] | None] = [None for _ in requests]
+        ks = [draft_limit(r, self.max_model_len, k) for r, k in zip(requests, num_tokens)]
+        active = [i for i, k in enumerate(ks) if k > 0]
+        if active:
+            for i in active:
+                if not _is_greedy(requests[i]):
+                    probs[i] = []
+            self._catch_up(requests, active, drafts, probs)
+            for j in range(1, max(ks[i] for i in active)):
+                rows = [i for i in active if ks[i] > j]
+                chunks = [self.runner.chunk(requests[i], requests[i].num_tokens - 1 + j,
+                                            [drafts[i][-1]], self.kv.get_block_ids(requests[i].request_id),
+                                            True) for i in rows]
+                self.num_draft_forward_tokens += len(rows)
+                self._sample(self.runner.forward(chunks), requests, rows, drafts, probs)
+            for i in active:
+                self._state[requests[i].request_id].num_computed = requests[i].num_tokens + ks[i] - 1
+        self._probs = [torch.stack(p) if p else None for p in probs]
+        return drafts
+
+    def take_draft_probs(self) -> list[torch.Tensor | None] | None:
+        """Per request of the last ``propose``: q ``[len(drafts), V]`` float32, or None (greedy
+        request, or no drafts). Handed over once."""
+        probs, self._probs = self._probs, None
+        return probs
+
+    def on_request_finished(self, request: Request) -> None:
+        self._state.pop(request.request_id, None)
+
+    @property
+    def num_tracked_requests(self) -> int:
+        return len(self._state)
+
+    # ---- internals ----
+    def _state_of(self, request: Request) -> _DraftState:
+        st = self._state.get(request.request_id)
+        if st is None:
+            st = self._state[request.request_id] = _DraftState(num_preemptions=request.num_preemptions)
+            seed = getattr(request.sampling_params, "seed", None)
+            if seed is not None:
+                st.generator = torch.Generator(device=self.runner.device)
+                st.generator.manual_seed((int(seed) ^ _SEED_SALT) & 0x7FFF_FFFF_FFFF_FFFF)
+        if st.num_preemptions != request.num_preemptions:  # recomputed into new blocks
+            st.num_preemptions = request.num_preemptions
+            st.num_computed = 0
+        st.num_computed = min(st.num_computed, request.num_computed_tokens)
+        return st
+
+    def _catch_up(self, requests, active: list[int], drafts, probs) -> None:
+        """Run committed positions [num_draft_computed, L) of every active request (rounds of at
+        most ``max_batch_tokens`` tokens) and sample each request's first draft."""
+        start = {i: self._state_of(requests[i]).num_computed for i in active}
+        todo = list(active)
+        while todo:
+            budget, chunks, rows = self.max_batch_tokens, [], []
+            for i in todo:
+                if budget <= 0:
+                    break
+                req = requests[i]
+                end = req.num_tokens
+                n = min(end - start[i], budget)
+                sample = start[i] + n == end
+                chunks.append(self.runner.chunk(req, start[i], req.all_token_ids[start[i]:start[i] + n],
+                                                self.kv.get_block_ids(req.request_id), sample))
+                if sample:
+                    rows.append(i)
+                start[i] += n
+                budget -= n
+            self.num_catchup_tokens += sum(c.num_tokens for c in chunks)
+            logits = self.runner.forward(chunks)
+            if rows:
+                self._sample(logits, requests, rows, drafts, probs)
+            todo = [i for i in todo if start[i] < requests[i].num_tokens]
+
+    def _sample(self, logits: torch.Tensor, requests, rows: list[int], drafts, probs) -> None:
+        """Append one draft per row (``logits[r]`` belongs to request ``rows[r]``)."""
+        greedy = [r for r, i in enumerate(rows) if probs[i] is None]
+        if greedy:
+            idx = torch.tensor(greedy, dtype=torch.long, device=logits.device)
+            for r, t in zip(greedy, logits[idx].argmax(dim=-1).tolist()):
+                drafts[rows[r]].append(t)
+        rand = [r for r, i in enumerate(rows) if probs[i] is not None]
+        if not rand:
+            return
+        idx = torch.tensor(rand, dtype=torch.long, device=logits.device)
+        q = compute_target_probs(logits[idx], [requests[rows[r]].sampling_params for r in rand])
+        for qi, r in enumerate(rand):
+            i = rows[r]
+            gen = self._state[requests[i].request_id].generator
+            tok = int(torch.multinomial(q[qi], 1, generator=gen))
+            drafts[i].append(tok)
+            probs[i].append(q[qi])
+
+
+def _is_greedy(request: Request) -> bool:
+    params = request.sampling_params
+    return params is None or bool(params.is_greedy)
+
+
+def _load_draft_model(path: str, target_config, max_model_len: int, common) -> DraftRunner:
+    from engine.loader import load_model_files
+    from engine.model import build_model
+
+    num_blocks, block_size, dtype, device = common
+    loaded = load_model_files(path, dtype=dtype)
+    cfg = loaded.config
+    if cfg.vocab_size != target_config.vocab_size:
+        raise ValueError(f"speculative_config['model'] {path!r} has vocab_size {cfg.vocab_size}, "
+                         f"the target has {target_config.vocab_size}: a drafter must share the "
+                         "target's vocabulary")
+    if cfg.max_position_embeddings < max_model_len:
+        raise ValueError(f"speculative_config['model'] {path!r} supports "
+                         f"{cfg.max_position_embeddings} positions, less than max_model_len="
+                         f"{max_model_len}")
+    model = build_model(cfg, loaded.state_dict, dtype, device)
+    loaded.state_dict.clear()
+    return DraftRunner(model, cfg, num_blocks, block_size, dtype, device)
