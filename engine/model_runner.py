@@ -20,6 +20,7 @@ import logging
 import torch
 
 from engine.input_batch import InputBatch, prepare_inputs
+from engine.min_tokens import apply_min_tokens
 from engine.model_config import ModelConfig
 from kernels.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
 from kernels.attention.selector import select_attention_backend
@@ -90,6 +91,7 @@ class ModelRunner:
             return hidden.new_zeros((0, self.config.vocab_size), dtype=torch.float32), batch
         return self.model.compute_logits(hidden[batch.sample_indices]), batch
 
+    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for rid in sched.finished_request_ids:
             self.generators.pop(rid, None)
@@ -103,6 +105,7 @@ class ModelRunner:
             sampled: list[list[int]] = [[] for _ in req_ids]
             logprobs: list[list] | None = None
             rows, owners = self._sampling_rows(sched, batch.num_samples)
+            apply_min_tokens(logits, sched, batch.num_samples)
             if rows:
                 out = self.sampler(logits, rows)
                 for i, toks in zip(owners, out.token_ids):
