@@ -103,6 +103,13 @@ class KVCacheManager:
         """
         rid = request.request_id
         held = self.req_blocks.get(rid)
+        if held is not None and not new_computed_blocks:
+            # Fast path (a running request's decode/verify step): same arithmetic as below.
+            total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+            if num_lookahead_tokens:
+                total = min(total + num_lookahead_tokens, max(total, self.max_model_len))
+            if -(-total // self.block_size) <= len(held):
+                return self.req_block_ids[rid]
         num_held = len(held) if held is not None else 0
         num_hits = len(new_computed_blocks) if new_computed_blocks else 0
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
@@ -154,7 +161,11 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
-        num_full = min(request.num_computed_tokens, len(request.all_token_ids)) // self.block_size
+        num_full = request.num_computed_tokens
+        num_committed = len(request.all_token_ids)
+        if num_committed < num_full:
+            num_full = num_committed
+        num_full //= self.block_size
         done = self.req_num_cached.get(rid, 0)
         if num_full <= done:
             return

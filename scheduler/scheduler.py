@@ -97,21 +97,44 @@ class Scheduler:
         scheduled = out.scheduled
         running = self.running
         preempted = False
+        # Hot loop: _num_new_tokens and _advance are inlined here (same arithmetic) for speed.
+        max_model_len = cfg.max_model_len
+        threshold = cfg.long_prefill_token_threshold
+        allocate_slots = kv.allocate_slots
+        append = scheduled.append
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            n = self._num_new_tokens(request, budget)
-            block_ids = kv.allocate_slots(request, n, lookahead)
+            computed = request.num_computed_tokens
+            all_ids = request.all_token_ids
+            num_committed = len(all_ids)
+            n = num_committed + len(request.spec_token_ids) - computed
+            if n > budget:
+                n = budget
+            if n > max_model_len - computed:
+                n = max_model_len - computed
+            if threshold and n > threshold:
+                n = threshold
+            assert n >= 1, f"{request.request_id}: running with nothing to compute"
+            block_ids = allocate_slots(request, n, lookahead)
             while block_ids is None:
                 victim = running[-1]
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
-                block_ids = kv.allocate_slots(request, n, lookahead)
+                block_ids = allocate_slots(request, n, lookahead)
             if block_ids is None:
                 break
-            scheduled.append(self._advance(request, n, block_ids, False))
+            end = computed + n
+            if end <= num_committed:
+                spec: list[int] = []
+                token_ids = all_ids[computed:end]
+            else:
+                spec = request.spec_token_ids[:end - num_committed]
+                token_ids = all_ids[computed:] + spec
+            request.num_computed_tokens = end
+            append(ScheduledRequest(request, computed, n, token_ids, spec, block_ids, False, end >= num_committed))
             budget -= n
             i += 1
         if not preempted:
@@ -189,23 +212,34 @@ class Scheduler:
         logprobs = output.logprobs
         outputs: list[EngineCoreOutput] = []
         any_finished = False
+        cache_blocks = kv.cache_blocks
+        append = outputs.append
         for idx, (sr, tokens) in enumerate(zip(sched.scheduled, output.sampled_token_ids)):
             request = sr.request
             if request.status != RUNNING:
                 continue  # aborted while the step ran
             if not tokens:
                 assert not sr.needs_sample, f"{request.request_id}: no token sampled at the end of its chunk"
-                kv.cache_blocks(request)
+                cache_blocks(request)
                 continue
             num_drafts = len(sr.spec_token_ids)
-            num_accepted = len(tokens) - 1
-            assert 0 <= num_accepted <= num_drafts, f"{request.request_id}: {len(tokens)} tokens for {num_drafts} drafts"
+            num_tokens = len(tokens)
+            num_accepted = num_tokens - 1
+            assert 0 <= num_accepted <= num_drafts, f"{request.request_id}: {num_tokens} tokens for {num_drafts} drafts"
             if num_drafts:
                 request.num_computed_tokens -= num_drafts - num_accepted
-                self._record_acceptance(request, num_drafts, num_accepted)
+                # _record_acceptance, inlined (hot path)
+                request.num_draft_steps += 1
+                request.num_draft_tokens += num_drafts
+                request.num_accepted_tokens += num_accepted
+                per_pos = request.accepted_per_pos
+                if len(per_pos) < num_drafts:
+                    per_pos.extend([0] * (num_drafts - len(per_pos)))
+                for j in range(num_accepted):
+                    per_pos[j] += 1
             request.spec_token_ids = []
             n = append_and_check_stop(request, tokens, max_model_len)
-            new_tokens = tokens if n == len(tokens) else tokens[:n]
+            new_tokens = tokens if n == num_tokens else tokens[:n]
             out = EngineCoreOutput(request.request_id, new_tokens, None, None, num_drafts, num_accepted,
                                    logprobs[idx][:n] if logprobs is not None and logprobs[idx] is not None else None)
             if request.status != RUNNING:
@@ -216,8 +250,8 @@ class Scheduler:
             else:
                 if num_drafts != num_accepted:
                     kv.rewind(request, lookahead)
-                kv.cache_blocks(request)
-            outputs.append(out)
+                cache_blocks(request)
+            append(out)
         if any_finished:
             self.running = [r for r in self.running if r.status == RUNNING]
         return outputs
@@ -237,12 +271,14 @@ class Scheduler:
         """Set next step's drafts, clipped so a verify never runs past ``max_model_len`` nor
         proposes more tokens than ``max_tokens`` leaves room for (the verify adds one more)."""
         max_model_len = self.config.max_model_len
+        requests = self.requests
         for rid, tokens in drafts.items():
-            request = self.requests.get(rid)
+            request = requests.get(rid)
             if request is None or request.status != RUNNING:
                 continue
-            room = min(max_model_len - request.num_tokens,
-                       request.max_tokens - request.num_output_tokens - 1)
+            num_tokens = len(request.all_token_ids)
+            room = min(max_model_len - num_tokens,
+                       request.max_tokens - (num_tokens - len(request.prompt_token_ids)) - 1)
             if request.max_spec_tokens is not None:
                 room = min(room, request.max_spec_tokens)
             request.spec_token_ids = list(tokens[:max(room, 0)])

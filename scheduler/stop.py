@@ -17,6 +17,13 @@ def append_and_check_stop(request: Request, tokens: list[int], max_model_len: in
     num_prompt = len(request.prompt_token_ids)
     eos = None if request.ignore_eos else request.eos_token_id
     stop_ids = request.stop_token_ids
+    # Fast path (the common decode step): no token can stop the request and the lengths stay
+    # below both limits after the last token, so no per-token check could fire; append at once.
+    num_after = len(all_ids) + len(tokens)
+    if (num_after - num_prompt < request.max_tokens and num_after < max_model_len
+            and (eos is None or eos not in tokens) and (not stop_ids or stop_ids.isdisjoint(tokens))):
+        all_ids.extend(tokens)
+        return len(tokens)
     for i, token in enumerate(tokens):
         all_ids.append(token)
         num_output = len(all_ids) - num_prompt
