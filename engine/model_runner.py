@@ -16,6 +16,7 @@ Per-request state, keyed by request id:
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -56,6 +57,7 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.generators: dict[str, torch.Generator | None] = {}
         self._draft_probs: dict[str, torch.Tensor] = {}
+        self.last_step: tuple[int, float] | None = None
 
     # ---- per-request state -------------------------------------------------------------
     def set_draft_probs(self, req_id: str, probs: torch.Tensor) -> None:
@@ -100,6 +102,7 @@ class ModelRunner:
         if sched.is_empty:
             self._draft_probs.clear()
             return ModelRunnerOutput(req_ids, [])
+        start = time.perf_counter()
         try:
             logits, batch = self.compute_logits(sched)
             sampled: list[list[int]] = [[] for _ in req_ids]
@@ -116,6 +119,10 @@ class ModelRunner:
                         logprobs[i] = lp if lp is not None else []
         finally:
             self._draft_probs.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        # (tokens, seconds) of this step, for the adaptive controller's cost model.
+        self.last_step = (sched.total_num_scheduled_tokens, time.perf_counter() - start)
         return ModelRunnerOutput(req_ids, sampled, logprobs)
 
     def _sampling_rows(self, sched: SchedulerOutput, num_samples: list[int]):

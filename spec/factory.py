@@ -23,4 +23,4 @@ def build_controller(config: SpeculativeConfig, cost_model=None):
     if not config.is_adaptive:
         return None
     from spec.adaptive import AdaptiveSpecController
-    return AdaptiveSpecController.from_config(config, cost_model)
+    return AdaptiveSpecController.from_config(config, cost_model=cost_model)

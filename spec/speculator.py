@@ -14,6 +14,7 @@ from typing import Any
 from scheduler.output import EngineCoreOutput
 from spec.config import SpeculativeConfig
 from spec.metrics import SpecDecodingStats
+from spec.proposer import draft_limit
 
 
 class Speculator:
@@ -35,6 +36,8 @@ class Speculator:
         if self.proposer is None:
             return
         self.observe(outputs)
+        if self.controller is not None and getattr(runner, "last_step", None):
+            self.controller.observe_step(*runner.last_step)
         for request in finished:
             self.proposer.on_request_finished(request)
             if self.controller is not None:
@@ -55,7 +58,10 @@ class Speculator:
         if not decoding:
             return
         if self.controller is not None:
-            ks = self.controller.choose(decoding, self._base_tokens(scheduler, decoding))
+            max_model_len = scheduler.config.max_model_len
+            caps = [draft_limit(r, max_model_len) for r in decoding]
+            base = min(self._base_tokens(scheduler, decoding), scheduler.config.max_num_batched_tokens)
+            ks = self.controller.choose(decoding, base, caps)
         else:
             ks = [self.max_k if r.max_spec_tokens is None else min(self.max_k, r.max_spec_tokens)
                   for r in decoding]
