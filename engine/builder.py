@@ -6,6 +6,7 @@ the frozen ``EngineConfig`` plus the model and the machine, and logged once.
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -84,14 +85,33 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     scheduler = Scheduler(sched_config)
     kv_caches = allocate_kv_caches(mcfg, num_blocks, config.block_size, dtype, device)
     runner = ModelRunner(model, mcfg, kv_caches, config.block_size, Sampler(), device)
+    if config.cuda_graphs:
+        _wrap_in_cuda_graphs(runner, kv_caches, spec_config, max_model_len, config)
     parts = EngineParts(mcfg, model, loaded.tokenizer, scheduler, runner, Speculator(),
                         OutputProcessor(loaded.tokenizer), device, dtype, loaded.source)
     if spec_config is not None:
         parts.speculator = _build_speculator(spec_config, parts)
+    gc.collect()
+    gc.freeze()  # start-up objects (weights' Python wrappers, tokenizer) leave the GC's scans
     logger.info("tokenbudget: %s on %s (%s), max_model_len=%d, %d KV blocks of %d tokens, speculation=%s",
                 loaded.source, device, str(dtype).removeprefix("torch."), max_model_len, num_blocks,
                 config.block_size, spec_config.method if spec_config else "off")
     return parts
+
+
+def _wrap_in_cuda_graphs(runner: ModelRunner, kv_caches, spec_config, max_model_len: int,
+                         config: EngineConfig) -> None:
+    """Swap the runner's model for a CUDA-graph wrapper (same call signature)."""
+    from kernels.triton_utils import HAS_TRITON
+    if runner.device.type != "cuda" or runner.attn_backend.name != "flashinfer" or not HAS_TRITON:
+        raise ValueError("cuda_graphs=True needs device='cuda' with flashinfer and triton installed")
+    from engine.cuda_graphs import CUDAGraphRunner
+    ks = (0,) if spec_config is None or spec_config.is_adaptive else (0, spec_config.max_spec_tokens)
+    sizes = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= config.max_num_seqs)
+    graphs = CUDAGraphRunner(runner.model, kv_caches, runner.attn_backend, batch_sizes=sizes,
+                             draft_lens=ks, max_pages_per_req=-(-max_model_len // config.block_size))
+    graphs.capture()
+    runner.model = graphs
 
 
 def _build_speculator(spec_config: SpeculativeConfig, parts: EngineParts) -> Speculator:

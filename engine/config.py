@@ -29,6 +29,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     speculative_config: dict[str, Any] | None = None
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
     seed: int = 0  # seeds the global RNG used by unseeded sampled requests
+    # CUDA only: capture decode/verify batches in CUDA graphs at start-up (needs FlashInfer and
+    # triton). Off by default until it has been validated on a GPU (see benches/RESULTS.md).
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):

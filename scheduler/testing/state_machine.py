@@ -43,8 +43,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         spec = data.draw(request_specs(SPEC.vocab_size, self.cfg.max_model_len // 2))
         prompt = (PREFIXES.get(spec["shared_prefix"], []) + spec["prompt"])[: self.cfg.max_model_len]
         if self.h.submitted and data.draw(st.integers(0, 3)) == 0:  # an exact repeat: full prefix hits
-            prompt = list(data.draw(st.sampled_from(sorted(self.h.submitted))) and
-                          self.h.submitted[sorted(self.h.submitted)[0]].prompt_token_ids)
+            earlier = data.draw(st.sampled_from(sorted(self.h.submitted)))
+            prompt = list(self.h.submitted[earlier].prompt_token_ids)
         rid = f"r{self.counter}"
         self.counter += 1
         request = self.h.make_request(rid, prompt, max_tokens=spec["max_tokens"], min_tokens=min(spec["min_tokens"], spec["max_tokens"]),
