@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 
@@ -17,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:  # pragma: no cover - fuzz CLI is optional at import time
         cli_fuzz = None
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         return int(args.run(args) or 0)
     except ValueError as exc:
