@@ -211,7 +211,7 @@ def _kv_bytes(path, blocks: int, block_size: int = 8) -> int:
 def test_identical_drafter_kv_stays_exact_under_stress(tiny_dirs, method) -> None:
     """Greedy equality cannot see a stale drafter KV (the verify fixes any draft); acceptance
     can: a drafter identical to the target accepts EVERY draft only if its KV is right after
-    chunked prefill, preemption + recompute, prefix-cache hits and rejected... (none here)."""
+    chunked prefill, preemption + recompute and prefix-cache hits."""
     prompts = [f"prompt number {i}: " + "ab" * (3 + 2 * i) for i in range(4)] * 2  # repeats: cache hits
     spec = ({"method": "draft_model", "model": tiny_dirs["target"]} if method == "draft_model"
             else {"method": "self_draft", "draft_num_layers": 4})
