@@ -71,7 +71,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     mcfg = loaded.config
     model = build_model(mcfg, loaded.state_dict, dtype, device)
     loaded.state_dict.clear()
-    num_blocks = num_blocks_for_budget(mcfg, config.block_size, dtype, config.kv_cache_memory_bytes)
+    # A model drafter keeps its own KV cache over the same block ids: the budget pays for both.
+    draft_share = _draft_kv_share(spec_config, mcfg)
+    num_blocks = num_blocks_for_budget(mcfg, config.block_size, dtype,
+                                       int(config.kv_cache_memory_bytes / (1.0 + draft_share)))
     max_model_len = config.max_model_len or min(mcfg.max_position_embeddings, num_blocks * config.block_size)
     if max_model_len > mcfg.max_position_embeddings:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's context "
@@ -97,6 +100,16 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                 loaded.source, device, str(dtype).removeprefix("torch."), max_model_len, num_blocks,
                 config.block_size, spec_config.method if spec_config else "off")
     return parts
+
+
+def _draft_kv_share(spec_config: SpeculativeConfig | None, mcfg: ModelConfig) -> float:
+    """Drafter KV bytes per block as a fraction of the target's (an upper bound for draft_model,
+    whose config is not known before it loads: assume it is no larger than the target)."""
+    if spec_config is None or not spec_config.uses_draft_kv:
+        return 0.0
+    if spec_config.method == "self_draft":
+        return min(spec_config.draft_num_layers, mcfg.num_hidden_layers) / mcfg.num_hidden_layers
+    return 1.0
 
 
 def _wrap_in_cuda_graphs(runner: ModelRunner, kv_caches, spec_config, max_model_len: int,
