@@ -1,0 +1,168 @@
+"""``AsyncLLM`` on the real default model: concurrent streams, cancellation, bad requests.
+
+Cancelling a stream (leaving its ``async for`` early, or cancelling the task that iterates it)
+aborts the request; the other streams finish with exactly the text ``LLM.generate`` gives, and
+afterwards the engine is idle with every KV block free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.async_llm import AsyncLLM
+
+# ---------------------------------------------------------------- shared test plumbing
+# (Duplicated in each of tests/test_engine_api.py, test_smollm2_vs_hf.py, test_async_llm.py,
+# test_cli.py and test_sampling_e2e.py so each file runs on its own.)
+
+ENGINE_OPTS = dict(num_threads=1, kv_cache_memory_bytes=64 << 20, max_model_len=512)
+
+
+def _default_model_once():
+    """The default GGUF read and dequantized once per test process (about 12 s each time saved).
+
+    Kept on the ``engine.loader`` module object so every test file of the process shares it.
+    The builder clears the state-dict it is handed, so each engine gets a fresh dict of the same
+    (never mutated) tensors.
+    """
+    import engine.loader as loader
+    cached = getattr(loader, "_tests_default_fp32", None)
+    if cached is None:
+        try:
+            cached = loader.load_model_files(None)
+        except RuntimeError as exc:  # offline and nothing cached
+            pytest.skip(f"default model unavailable: {exc}")
+        loader._tests_default_fp32 = cached
+    return cached
+
+
+@contextlib.contextmanager
+def reuse_default_weights():
+    import engine.builder as builder
+    from engine.loader import LoadedModel
+    real = builder.load_model_files
+    base = _default_model_once()
+
+    def load(model, dtype=torch.float32):
+        if model is None and dtype == torch.float32:
+            return LoadedModel(base.config, dict(base.state_dict), base.tokenizer, base.source)
+        return real(model, dtype=dtype)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(builder, "load_model_files", load)
+        yield
+
+
+def assert_all_blocks_free(engine) -> None:
+    assert not engine.has_unfinished_requests()
+    kv = engine.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
+    kv.check_integrity()
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "The three primary colors are"]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def async_llm() -> AsyncLLM:
+    with reuse_default_weights():
+        return AsyncLLM(**ENGINE_OPTS)
+
+
+@pytest.fixture(scope="module")
+def reference(async_llm) -> list[str]:
+    """What ``LLM.generate`` gives for each prompt, on the same engine (no loop running yet)."""
+    llm = LLM.__new__(LLM)  # an LLM front end over the AsyncLLM's engine (no second model load)
+    llm.engine, llm._ids = async_llm.engine, itertools.count()
+    return [o.outputs[0].text for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+async def _wait_idle(llm: AsyncLLM, timeout: float = 60.0) -> None:
+    """Queued aborts are applied by the background loop; wait until it has drained."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while llm._loop_task is not None or llm.engine.has_unfinished_requests():
+        assert asyncio.get_running_loop().time() < deadline, "engine never became idle"
+        await asyncio.sleep(0.01)
+
+
+async def _collect(llm: AsyncLLM, prompt: str, rid: str) -> list:
+    return [out async for out in llm.generate(prompt, PARAMS, request_id=rid)]
+
+
+def test_concurrent_streams_with_cancellations(async_llm, reference) -> None:
+    seen_cancelled_task: list = []
+
+    async def breaks_early() -> int:
+        n = 0
+        async for out in async_llm.generate(PROMPTS[2], PARAMS, request_id="breaks"):
+            n += 1
+            if n == 3:
+                assert not out.finished
+                break
+        return n
+
+    async def cancelled_task() -> None:
+        async for out in async_llm.generate(PROMPTS[3], PARAMS, request_id="cancelled"):
+            seen_cancelled_task.append(out)
+
+    async def main():
+        a = asyncio.create_task(_collect(async_llm, PROMPTS[0], "a"))
+        b = asyncio.create_task(_collect(async_llm, PROMPTS[1], "b"))
+        c = asyncio.create_task(breaks_early())
+        d = asyncio.create_task(cancelled_task())
+        while len(seen_cancelled_task) < 2:
+            await asyncio.sleep(0.005)
+        d.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await d
+        outs_a, outs_b, n_c = await asyncio.gather(a, b, c)
+        await _wait_idle(async_llm)
+        return outs_a, outs_b, n_c
+
+    outs_a, outs_b, n_c = asyncio.run(main())
+    assert n_c == 3
+    assert 2 <= len(seen_cancelled_task) < PARAMS.max_tokens and not seen_cancelled_task[-1].finished
+    for outs, ref in ((outs_a, reference[0]), (outs_b, reference[1])):
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+        assert not any(o.finished for o in outs[:-1])
+        assert outs[-1].outputs[0].text == ref
+        assert len(outs[-1].outputs[0].token_ids) == PARAMS.max_tokens
+        texts = [o.outputs[0].text for o in outs]  # streamed text only grows
+        assert all(ref.startswith(t) for t in texts)
+    assert not async_llm._queues and not async_llm._pending_aborts
+    assert not async_llm.engine.output_processor.states
+    assert_all_blocks_free(async_llm.engine)
+
+
+def test_bad_request_raises_from_iterator(async_llm, reference) -> None:
+    async def main():
+        with pytest.raises(ValueError, match="empty"):
+            async for _ in async_llm.generate("", PARAMS):
+                pass
+        too_long = [1] * (async_llm.engine.max_model_len + 1)
+        with pytest.raises(ValueError, match="max_model_len"):
+            async for _ in async_llm.generate(too_long, PARAMS):
+                pass
+        # A duplicate id fails while the first is in flight, and the first is undisturbed.
+        first = async_llm.generate(PROMPTS[0], PARAMS, request_id="dup")
+        head = await first.__anext__()
+        with pytest.raises(ValueError, match="duplicate"):
+            async for _ in async_llm.generate(PROMPTS[1], PARAMS, request_id="dup"):
+                pass
+        rest = [out async for out in first]
+        await _wait_idle(async_llm)
+        return head, rest
+
+    head, rest = asyncio.run(main())
+    assert not head.finished and rest[-1].finished
+    assert rest[-1].outputs[0].text == reference[0]
+    assert not async_llm._queues
+    assert_all_blocks_free(async_llm.engine)
