@@ -1,0 +1,169 @@
+"""``tokenbudget generate`` through ``engine.cli.main``: JSONL batch, streamed prompt, errors.
+
+To keep this file fast, ``engine.llm.LLM`` is replaced (for these tests only) by a factory that
+builds one engine per distinct set of options, reuses it across CLI calls, and gives it a small
+KV pool; everything the CLI does with it is the real thing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import msgspec
+import pytest
+import torch
+
+import engine.llm
+from engine.cli import main
+from engine.outputs import RequestOutput
+
+# ---------------------------------------------------------------- shared test plumbing
+# (Duplicated in each of tests/test_engine_api.py, test_smollm2_vs_hf.py, test_async_llm.py,
+# test_cli.py and test_sampling_e2e.py so each file runs on its own.)
+
+ENGINE_OPTS = dict(num_threads=1, kv_cache_memory_bytes=64 << 20, max_model_len=512)
+
+
+def _default_model_once():
+    """The default GGUF read and dequantized once per test process (about 12 s each time saved).
+
+    Kept on the ``engine.loader`` module object so every test file of the process shares it.
+    The builder clears the state-dict it is handed, so each engine gets a fresh dict of the same
+    (never mutated) tensors.
+    """
+    import engine.loader as loader
+    cached = getattr(loader, "_tests_default_fp32", None)
+    if cached is None:
+        try:
+            cached = loader.load_model_files(None)
+        except RuntimeError as exc:  # offline and nothing cached
+            pytest.skip(f"default model unavailable: {exc}")
+        loader._tests_default_fp32 = cached
+    return cached
+
+
+@contextlib.contextmanager
+def reuse_default_weights():
+    import engine.builder as builder
+    from engine.loader import LoadedModel
+    real = builder.load_model_files
+    base = _default_model_once()
+
+    def load(model, dtype=torch.float32):
+        if model is None and dtype == torch.float32:
+            return LoadedModel(base.config, dict(base.state_dict), base.tokenizer, base.source)
+        return real(model, dtype=dtype)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(builder, "load_model_files", load)
+        yield
+
+
+def assert_all_blocks_free(engine) -> None:
+    assert not engine.has_unfinished_requests()
+    kv = engine.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
+    kv.check_integrity()
+
+
+COMMON = ["--max-tokens", "12", "--threads", "1", "--max-model-len", "512"]
+PROMPTS = ["The capital of France is", "def fibonacci(n):",
+           "Please repeat: one two three, one two three, one two three,"]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    real = engine.llm.LLM
+    built: dict[str, object] = {}
+
+    def factory(model=None, **options):
+        options = {**options, "kv_cache_memory_bytes": ENGINE_OPTS["kv_cache_memory_bytes"]}
+        key = repr((model, sorted(options.items())))
+        if key not in built:
+            with reuse_default_weights():
+                built[key] = real(model, **options)
+        return built[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine.llm, "LLM", factory)
+        yield built
+
+
+@pytest.fixture(scope="module")
+def jsonl_in(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "in.jsonl"
+    lines = [json.dumps({"prompt": PROMPTS[0], "request_id": "first"}),
+             json.dumps(PROMPTS[1]),  # a bare string is a prompt
+             "",  # blank lines are skipped
+             json.dumps({"prompt": PROMPTS[2], "sampling_params": {"temperature": 0, "max_tokens": 5}}),
+             json.dumps({"messages": [{"role": "user", "content": "Say hi"}], "request_id": "chat"})]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _run_batch(jsonl_in, tmp_path, capsys, *flags) -> list[RequestOutput]:
+    out = tmp_path / "out.jsonl"
+    rc = main(["generate", "--input", str(jsonl_in), "--output", str(out), *COMMON, *flags])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "4 request(s)" in err and "tok/s" in err  # the summary line
+    lines = out.read_text().splitlines()
+    assert len(lines) == 4
+    return [msgspec.json.decode(line, type=RequestOutput) for line in lines]
+
+
+def test_batch_jsonl_no_spec_and_ngram_agree(engines, jsonl_in, tmp_path, capsys) -> None:
+    plain = _run_batch(jsonl_in, tmp_path, capsys, "--no-spec")
+    assert [o.request_id for o in plain] == ["first", "2", "4", "chat"]  # input order, line numbers
+    assert [o.prompt for o in plain[:3]] == PROMPTS
+    assert "Say hi" in plain[3].prompt and plain[3].prompt.endswith("assistant\n")
+    assert len(plain[2].outputs[0].token_ids) == 5  # per-line sampling_params
+    assert all(o.finished and o.outputs[0].text for o in plain)
+    spec = _run_batch(jsonl_in, tmp_path, capsys, "--spec-method", "ngram", "--num-spec-tokens", "3")
+    assert [o.outputs[0].text for o in spec] == [o.outputs[0].text for o in plain]
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert sum(o.metrics.num_draft_tokens for o in spec) > 0  # speculation really ran
+    for llm in engines.values():
+        assert_all_blocks_free(llm.engine)
+
+
+def test_stream_one_prompt(engines, jsonl_in, tmp_path, capsys) -> None:
+    rc = main(["generate", PROMPTS[0], *COMMON, "--no-spec"])
+    assert rc == 0
+    captured = capsys.readouterr()
+    batch = _run_batch(jsonl_in, tmp_path, capsys, "--no-spec")
+    assert captured.out == batch[0].outputs[0].text + "\n"
+    assert "1 request(s), 12 tokens" in captured.err
+
+
+def test_stream_chat_prompt(engines, capsys) -> None:
+    assert main(["generate", "Say hi", "--chat", *COMMON, "--no-spec"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() and "<|im_start|>" not in captured.out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "--bogus"], "unrecognized arguments"),
+    (["generate", "x", "--spec-method", "magic"], "invalid choice"),
+    (["generate", "x", "--max-tokens", "many"], "invalid int value"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_option_exits_2(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_values_return_2_with_message(engines, tmp_path, capsys) -> None:
+    assert main(["generate"]) == 2
+    assert "give either a prompt or --input" in capsys.readouterr().err
+    assert main(["generate", "hi", "--max-tokens", "0", *COMMON[2:], "--no-spec"]) == 2
+    assert "max_tokens" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "no prompt key"}) + "\n")
+    assert main(["generate", "--input", str(bad), *COMMON, "--no-spec"]) == 2
+    assert "prompt" in capsys.readouterr().err
+    for llm in engines.values():
+        assert_all_blocks_free(llm.engine)
