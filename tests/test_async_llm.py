@@ -187,7 +187,7 @@ def test_cancel_while_request_is_being_added(async_llm) -> None:
             await task
         await asyncio.sleep(0.5)  # the thread finishes adding
         try:
-            await asyncio.wait_for(_wait_idle(async_llm, timeout=5.0), 10.0)
+            await asyncio.wait_for(_wait_idle(async_llm, timeout=2.0), 10.0)
         finally:
             if engine.has_unfinished_requests():  # leave the shared engine clean
                 engine.abort_request("orphan", missing_ok=True)
