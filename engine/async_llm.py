@@ -42,8 +42,16 @@ class AsyncLLM:
             raise ValueError(f"duplicate request_id {rid!r}: a request with this id is still running")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
+        adding = asyncio.ensure_future(asyncio.to_thread(
+            self._locked, self.engine.add_request, rid, prompt, sampling_params, priority))
         try:
-            await asyncio.to_thread(self._locked, self.engine.add_request, rid, prompt, sampling_params, priority)
+            await asyncio.shield(adding)
+        except asyncio.CancelledError:
+            # The worker thread may still add the request: abort it once it has.
+            self._queues.pop(rid, None)
+            adding.add_done_callback(
+                lambda f: None if f.cancelled() or f.exception() is not None else self.abort(rid))
+            raise
         except BaseException:
             self._queues.pop(rid, None)
             raise

@@ -168,8 +168,6 @@ def test_bad_request_raises_from_iterator(async_llm, reference) -> None:
     assert_all_blocks_free(async_llm.engine)
 
 
-@pytest.mark.xfail(strict=True, reason="AsyncLLM.generate: a cancel while add_request runs in the "
-                   "worker thread orphans the request (added after its queue was dropped, never aborted)")
 def test_cancel_while_request_is_being_added(async_llm) -> None:
     engine = async_llm.engine
     real_add = engine.add_request
