@@ -97,7 +97,8 @@ class Scheduler:
         scheduled = out.scheduled
         running = self.running
         preempted = False
-        # Hot loop: _num_new_tokens and _advance are inlined here (same arithmetic) for speed.
+        # Hot loop: n = min(tokens with drafts - computed, budget, max_model_len room, threshold),
+        # then the body of _advance, inlined for speed (this loop runs once per running request).
         max_model_len = cfg.max_model_len
         threshold = cfg.long_prefill_token_threshold
         allocate_slots = kv.allocate_slots
@@ -165,15 +166,6 @@ class Scheduler:
             scheduled.append(self._advance(request, n, block_ids, True))
             budget -= n
         return budget
-
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
-        computed = request.num_computed_tokens
-        n = min(request.num_tokens_with_spec - computed, budget, self.config.max_model_len - computed)
-        threshold = self.config.long_prefill_token_threshold
-        if threshold and n > threshold:
-            n = threshold
-        assert n >= 1, f"{request.request_id}: running with nothing to compute"
-        return n
 
     @staticmethod
     def _advance(request: Request, n: int, block_ids: list[int], is_new: bool) -> ScheduledRequest:
