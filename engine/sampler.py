@@ -33,7 +33,8 @@ from typing import NamedTuple
 import torch
 
 from engine.sampling_params import SamplingParams
-from spec.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample_reference
+from kernels.rejection_triton import rejection_sample  # Triton on CUDA, torch reference elsewhere
+from spec.rejection_sampler import PLACEHOLDER_TOKEN_ID
 
 __all__ = [
     "SamplingRow",
@@ -172,7 +173,7 @@ class Sampler:
             noise = torch.ones(len(rows), vocab, dtype=torch.float32, device=dev)
             _draw_random(rows, num_drafts, greedy, uniforms, noise)
         is_greedy = torch.tensor(greedy, dtype=torch.bool, device=dev)
-        out = rejection_sample_reference(
+        out = rejection_sample(
             target_probs, target_argmax, drafts, k, draft_probs, is_greedy, uniforms, noise
         )
         token_ids = [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in out.tolist()]
