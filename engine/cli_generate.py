@@ -10,7 +10,6 @@ are ``RequestOutput`` JSON in input order. A one-line throughput summary ends a 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time

@@ -7,64 +7,16 @@ KV pool; everything the CLI does with it is the real thing.
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import msgspec
 import pytest
-import torch
 
 import engine.llm
 from engine.cli import main
 from engine.outputs import RequestOutput
 
-# ---------------------------------------------------------------- shared test plumbing
-# (Duplicated in each of tests/test_engine_api.py, test_smollm2_vs_hf.py, test_async_llm.py,
-# test_cli.py and test_sampling_e2e.py so each file runs on its own.)
-
-ENGINE_OPTS = dict(num_threads=1, kv_cache_memory_bytes=64 << 20, max_model_len=512)
-
-
-def _default_model_once():
-    """The default GGUF read and dequantized once per test process (about 12 s each time saved).
-
-    Kept on the ``engine.loader`` module object so every test file of the process shares it.
-    The builder clears the state-dict it is handed, so each engine gets a fresh dict of the same
-    (never mutated) tensors.
-    """
-    import engine.loader as loader
-    cached = getattr(loader, "_tests_default_fp32", None)
-    if cached is None:
-        try:
-            cached = loader.load_model_files(None)
-        except RuntimeError as exc:  # offline and nothing cached
-            pytest.skip(f"default model unavailable: {exc}")
-        loader._tests_default_fp32 = cached
-    return cached
-
-
-@contextlib.contextmanager
-def reuse_default_weights():
-    import engine.builder as builder
-    from engine.loader import LoadedModel
-    real = builder.load_model_files
-    base = _default_model_once()
-
-    def load(model, dtype=torch.float32):
-        if model is None and dtype == torch.float32:
-            return LoadedModel(base.config, dict(base.state_dict), base.tokenizer, base.source)
-        return real(model, dtype=dtype)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(builder, "load_model_files", load)
-        yield
-
-
-def assert_all_blocks_free(engine) -> None:
-    assert not engine.has_unfinished_requests()
-    kv = engine.scheduler.kv
-    assert kv.num_free_blocks == kv.num_blocks
-    kv.check_integrity()
+from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, reuse_default_weights  # noqa: E402
 
 
 COMMON = ["--max-tokens", "12", "--threads", "1", "--max-model-len", "512"]

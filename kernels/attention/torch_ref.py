@@ -36,7 +36,6 @@ import torch
 from kernels.attention.base import (
     AttentionBackend,
     AttentionMetadata,
-    AttentionSpec,
     check_metadata_inputs,
 )
 
