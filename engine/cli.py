@@ -12,11 +12,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     from engine import cli_generate
     cli_generate.add_parser(sub)
-    try:
-        from engine import cli_fuzz
-        cli_fuzz.add_parser(sub)
-    except ImportError:  # pragma: no cover - fuzz CLI is optional at import time
-        cli_fuzz = None
+    from engine import cli_fuzz
+    cli_fuzz.add_parser(sub).set_defaults(run=cli_fuzz.run)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:

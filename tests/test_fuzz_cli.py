@@ -112,3 +112,9 @@ def test_python_dash_m_entry_point():
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK" in proc.stdout
+
+
+def test_tokenbudget_console_script_dispatches_fuzz() -> None:
+    """The ``tokenbudget fuzz`` entry point (engine.cli.main), not only ``python -m engine.cli_fuzz``."""
+    from engine.cli import main
+    assert main(["fuzz", "--examples", "3", "--seed", "0", "--steps", "10"]) == 0
