@@ -5,6 +5,12 @@ but the last (i.e. decoding) and whose ``max_spec_tokens`` allows it get up to k
 is the configured ``num_speculative_tokens`` or, with ``"auto"``, the adaptive controller's
 choice. Drafter probabilities (draft model) go to the runner; drafts go to the scheduler, which
 clips them to ``max_model_len`` and ``max_tokens``.
+
+With the controller and a free drafter (n-gram, suffix) the order is draft-then-choose: drafts
+at the cap (``draft_limit``), the controller's caps become the drafts' lengths, and the chosen
+k_i truncate them. Planning with drafts that do not exist (no n-gram match: most steps of open
+chat) would charge the step for tokens it never runs and make the controller too timid for
+the requests that do have drafts. Model drafters keep choose-then-draft (drafting costs).
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ class Speculator:
         self.proposer = proposer
         self.controller = controller
         self.max_k = config.max_spec_tokens if config is not None else 0
+        # n-gram / suffix: drafting is cheap, deterministic and prefix-consistent (the drafts for
+        # k are the first k of the drafts for a larger k), so with a controller the speculator
+        # drafts at the cap first and lets the controller choose among real drafts.
+        self._free_drafter = config is not None and config.method in ("ngram", "suffix")
         self.stats = SpecDecodingStats()
 
     @property
@@ -57,9 +67,15 @@ class Speculator:
                     if r.num_computed_tokens == r.num_tokens - 1 and r.max_spec_tokens != 0]
         if not decoding:
             return
+        drafted = None
         if self.controller is not None:
             max_model_len = scheduler.config.max_model_len
             caps = [draft_limit(r, max_model_len) for r in decoding]
+            if self._free_drafter:
+                # Cheap deterministic drafters: draft first, so the controller plans with the
+                # drafts that exist (a request without a match costs nothing and gets k = 0).
+                drafted = self.proposer.propose(decoding, caps)
+                caps = [len(d) for d in drafted]
             base = min(self._base_tokens(scheduler, decoding), scheduler.config.max_num_batched_tokens)
             ks = self.controller.choose(decoding, base, caps)
         else:
@@ -72,6 +88,10 @@ class Speculator:
         if not chosen:
             return
         reqs = [r for r, _ in chosen]
+        if drafted is not None:
+            drafts = [d[:k] for d, k in zip(drafted, ks) if k > 0]
+            scheduler.update_draft_token_ids({r.request_id: d for r, d in zip(reqs, drafts) if d})
+            return
         drafts = self.proposer.propose(reqs, [k for _, k in chosen])
         probs = self.proposer.take_draft_probs()
         if probs is not None:
