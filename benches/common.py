@@ -182,6 +182,12 @@ class StepProfile:
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     steps: int = 0
     step_total_s: float = 0.0
+    # runner.execute seconds keyed by the step's scheduled token count (runner.last_step)
+    execute_by_tokens: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
+
+    def execute_ms_by_tokens(self, max_tokens: int = 32) -> dict[int, float]:
+        """Median ``runner.execute`` milliseconds per scheduled-token count (decode/verify sizes)."""
+        return {n: 1000 * median(v) for n, v in sorted(self.execute_by_tokens.items()) if n <= max_tokens}
 
     def split(self) -> dict[str, float]:
         """Fraction of step time per part; 'python glue' is the step time nobody else claims."""
@@ -236,18 +242,35 @@ class StepProfiler:
     def __enter__(self) -> StepProfile:
         e = self.engine
         runner = e.runner
+        self._wrap_execute(runner)
         self._wrap(e.scheduler, "schedule", "schedule")
         self._wrap(e.scheduler, "update_from_output", "update")
         self._wrap(e.output_processor, "process", "process")
         self._wrap(e.speculator, "after_step", "after_step")
         self._wrap(e.speculator.proposer, "propose", "propose")
-        self._wrap(runner, "execute", "execute")
         self._wrap(runner, "_prepare", "prepare")
         self._wrap(runner.model, "forward", "forward")
         self._wrap(runner.model, "compute_logits", "logits")
         self._wrap(runner, "sampler", "sampler")
         self._wrap(e, "step", "step")
         return self.profile
+
+    def _wrap_execute(self, runner) -> None:
+        fn = runner.execute
+        prof = self.profile
+
+        def timed(sched):
+            t = time.perf_counter()
+            try:
+                return fn(sched)
+            finally:
+                dt = time.perf_counter() - t
+                prof.seconds["execute"] += dt
+                prof.calls["execute"] += 1
+                prof.execute_by_tokens[sched.total_num_scheduled_tokens].append(dt)
+
+        runner.execute = timed
+        self._restore.append((runner, "execute", None))
 
     def __exit__(self, *exc) -> None:
         for obj, name, orig in reversed(self._restore):
