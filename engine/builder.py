@@ -103,13 +103,14 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
 
 def _draft_kv_share(spec_config: SpeculativeConfig | None, mcfg: ModelConfig) -> float:
-    """Drafter KV bytes per block as a fraction of the target's (an upper bound for draft_model,
-    whose config is not known before it loads: assume it is no larger than the target)."""
+    """Drafter KV bytes per block as a fraction of the target's (same dtype and block size)."""
     if spec_config is None or not spec_config.uses_draft_kv:
         return 0.0
     if spec_config.method == "self_draft":
         return min(spec_config.draft_num_layers, mcfg.num_hidden_layers) / mcfg.num_hidden_layers
-    return 1.0
+    from engine.loader.kv_shape import kv_elements_per_token
+    target = mcfg.num_hidden_layers * mcfg.num_key_value_heads * mcfg.resolved_head_dim
+    return kv_elements_per_token(spec_config.model) / target
 
 
 def _wrap_in_cuda_graphs(runner: ModelRunner, kv_caches, spec_config, max_model_len: int,

@@ -190,7 +190,9 @@ def test_preemption_and_chunked_prefill(tiny_dirs) -> None:
     """Tiny KV pool (requests preempted and recomputed) + 8-token budget (chunked prefill); the
     drafter has its own shape (hidden 32, 1 layer)."""
     prompts = [f"prompt number {i}: " + "ab" * (3 + 2 * i) for i in range(4)]
-    opts = dict(kv_cache_memory_bytes=_kv_bytes(tiny_dirs["target"], blocks=16), block_size=8,
+    # The KV budget pays for the target's and the drafter's caches over the same 16 blocks.
+    budget = _kv_bytes(tiny_dirs["target"], blocks=16) + _kv_bytes(tiny_dirs["small"], blocks=16)
+    opts = dict(kv_cache_memory_bytes=budget, block_size=8,
                 max_num_batched_tokens=8)
     want = token_ids(make_engine(tiny_dirs["target"]), prompts, greedy(40))
     llm = make_engine(tiny_dirs["target"], {"method": "draft_model", "model": tiny_dirs["small"],
@@ -216,7 +218,10 @@ def test_identical_drafter_kv_stays_exact_under_stress(tiny_dirs, method) -> Non
     spec = ({"method": "draft_model", "model": tiny_dirs["target"]} if method == "draft_model"
             else {"method": "self_draft", "draft_num_layers": 4})
     spec["num_speculative_tokens"] = 3
-    opts = dict(kv_cache_memory_bytes=_kv_bytes(tiny_dirs["target"], blocks=12), block_size=8,
+    target_bytes = _kv_bytes(tiny_dirs["target"], blocks=12)  # + the drafter's cache, same 12 blocks
+    with open(os.path.join(tiny_dirs["target"], "config.json")) as f:
+        drafter_share = 1.0 if method == "draft_model" else 4 / json.load(f)["num_hidden_layers"]
+    opts = dict(kv_cache_memory_bytes=int(target_bytes * (1 + drafter_share)) + 1, block_size=8,
                 max_num_batched_tokens=8)
     want = token_ids(make_engine(tiny_dirs["target"]), prompts, greedy(32))
     llm = make_engine(tiny_dirs["target"], spec, **opts)

@@ -80,7 +80,10 @@ def test_skipped_rollback_is_caught(monkeypatch, capsys):
 
     monkeypatch.setattr(sched_mod.Scheduler, "update_from_output", no_rollback)
     assert run_fuzz(60, seed=2, steps=20) == 1
-    assert "Falsifying example" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # The shrunk program is printed step by step (Hypothesis words its heading differently across
+    # versions: "Falsifying example" / "Failing test case"), then the replay commands.
+    assert "state = PinnedSchedulerMachine()" in out and "--reproduce" in out
 
 
 def test_load_config_file_json_toml_and_unknown_key(tmp_path):

@@ -65,13 +65,26 @@ TINY_SPECS = {
 }
 
 
-def _tiny_opts(tiny, config: str) -> dict:
+def _drafter_kv_share(tiny, method: str) -> float:
+    """A model drafter's KV per block relative to the target's: the KV budget pays for both."""
+    from engine.loader.kv_shape import kv_elements_per_token
+    target = kv_elements_per_token(tiny["target"])
+    if method == "draft_model":
+        return kv_elements_per_token(tiny["draft"]) / target
+    if method == "self_draft":
+        with open(os.path.join(tiny["target"], "config.json")) as f:
+            return TINY_SPECS["self_draft"]["draft_num_layers"] / json.load(f)["num_hidden_layers"]
+    return 0.0
+
+
+def _tiny_opts(tiny, config: str, method: str) -> dict:
     if config == "default":
         return dict(kv_cache_memory_bytes=4 << 20)
     if config == "chunked":
         return dict(kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=16)
     # preempt: 24 blocks of 8 tokens (192 slots) for ~400 tokens in flight, 16-token budget
-    return dict(kv_cache_memory_bytes=24 * tiny["block_bytes"], block_size=8, max_num_batched_tokens=16)
+    budget = int(24 * tiny["block_bytes"] * (1 + _drafter_kv_share(tiny, method))) + 1
+    return dict(kv_cache_memory_bytes=budget, block_size=8, max_num_batched_tokens=16)
 
 
 @pytest.mark.parametrize("config", ["default", "chunked", "preempt"])
@@ -80,7 +93,7 @@ def test_tiny_greedy_lossless(tiny, method: str, config: str) -> None:
     spec = TINY_SPECS[method]
     if method == "draft_model":
         spec = dict(spec, model=tiny["draft"])
-    llm = LLM(tiny["target"], speculative_config=spec, num_threads=1, **_tiny_opts(tiny, config))
+    llm = LLM(tiny["target"], speculative_config=spec, num_threads=1, **_tiny_opts(tiny, config, method))
     want = tiny["want"]
     assert _gen(llm, TINY_PROMPTS, TINY_MAX_TOKENS) == want
     # Again, after the first batch finished: its blocks are cached -> prefix hits.
@@ -154,7 +167,9 @@ def test_smollm2_greedy_lossless_default_config(smol, method: str) -> None:
 @pytest.mark.parametrize("method", [None] + list(SMOL_SPECS))
 def test_smollm2_greedy_lossless_chunked_and_preempted(smol, method) -> None:
     """16-token budget (chunked prefill, verifies squeezed) and a 20-block pool (preemption)."""
-    llm = LLM(speculative_config=SMOL_SPECS.get(method), num_threads=1, max_num_batched_tokens=16,
-              kv_cache_memory_bytes=20 * _smol_block_bytes())
+    spec = SMOL_SPECS.get(method)
+    share = spec["draft_num_layers"] / 30 if spec and spec["method"] == "self_draft" else 0.0  # its own KV
+    llm = LLM(speculative_config=spec, num_threads=1, max_num_batched_tokens=16,
+              kv_cache_memory_bytes=int(20 * _smol_block_bytes() * (1 + share)) + 1)
     assert _gen(llm, smol["prompts"], SMOL_MAX_TOKENS) == smol["want"]
     assert llm.engine.scheduler.num_preemptions > 0
