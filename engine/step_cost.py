@@ -36,4 +36,6 @@ def measure_runner_costs(runner, sched_config: SchedulerConfig, max_tokens: int 
         if runner.device.type == "cuda":
             torch.cuda.synchronize()
 
-    return measure_step_costs(run, sorted(steps), warmup=1, repeats=2)
+    # scale_ewma: the level follows load drift from every step, buckets keep the shape (see
+    # spec.cost_model); without it a shared CPU's drift read as a cost of drafting (benches/adaptive.py).
+    return measure_step_costs(run, sorted(steps), warmup=1, repeats=2, scale_ewma=0.2)

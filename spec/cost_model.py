@@ -15,6 +15,14 @@ How it is built:
   (weight ``ewma``). A single update moves a bucket by at most a factor ``max_update_factor``
   (guards against a GC pause or a one-off compile). Token counts beyond the measured range by
   more than 25 % open a new bucket, so the model learns the range start-up did not measure.
+* Load drift (``scale_ewma`` > 0): on a shared or thermally throttled machine every step gets
+  slower or faster together, but each bucket only hears about it when a step of its size runs.
+  Buckets refreshed at different times then disagree about the load, and the controller, which
+  only uses ratios c(T + D) / c(T), reads the drift as a cost of drafting (e.g. bucket 8 updated
+  under load by code prompts, bucket 1 last updated when the box was quiet). So each update also
+  rescales every bucket by ``1 + scale_ewma * (r - 1)``, r = seconds / c(T) (clipped like any
+  update): the shape is learned per bucket, the level by all of them. 0 (the default) keeps the
+  buckets independent.
 * ``cost(T)`` interpolates piecewise-linearly between buckets. Above the last bucket it
   extrapolates with the last segment's slope (a flat extrapolation would make large steps look
   free and invite over-speculation); below the first bucket it is flat.
@@ -80,7 +88,8 @@ class StepCostModel:
 
     def __init__(self, tokens: Sequence[int], seconds: Sequence[float],
                  counts: Sequence[float] | None = None, *, ewma: float = 0.1,
-                 max_update_factor: float = 3.0, max_buckets: int = 64) -> None:
+                 max_update_factor: float = 3.0, max_buckets: int = 64,
+                 scale_ewma: float = 0.0) -> None:
         if len(tokens) == 0 or len(tokens) != len(seconds):
             raise ValueError("tokens and seconds must be non-empty and of equal length")
         if not 0.0 < ewma <= 1.0:
@@ -99,7 +108,10 @@ class StepCostModel:
         c = np.ones(len(t)) if counts is None else np.asarray(counts, dtype=np.float64)[order]
         self._n = c
         self.ewma = float(ewma)
+        if not 0.0 <= scale_ewma <= 1.0:
+            raise ValueError(f"scale_ewma must be in [0, 1], got {scale_ewma}")
         self.max_update_factor = float(max_update_factor)
+        self.scale_ewma = float(scale_ewma)
         self.max_buckets = int(max_buckets)
         self.num_updates = 0
         self._refit()
@@ -153,6 +165,12 @@ class StepCostModel:
             raise ValueError(f"need tokens >= 1 and finite seconds >= 0, got {tokens}, {seconds}")
         self.num_updates += 1
         t = float(tokens)
+        if self.scale_ewma > 0:
+            r = seconds / float(self.cost(t))
+            r = min(max(r, 1.0 / self.max_update_factor), self.max_update_factor)
+            f = 1.0 + self.scale_ewma * (r - 1.0)
+            self._raw = self._raw * f
+            self._fit = np.maximum(self._fit * f, _MIN_COST)
         if len(self._t) < self.max_buckets and (t > 1.25 * self._t[-1] or t * 1.25 < self._t[0]):
             self._insert(t, seconds)
             return
