@@ -220,7 +220,7 @@ class Scheduler:
             assert 0 <= num_accepted <= num_drafts, f"{request.request_id}: {num_tokens} tokens for {num_drafts} drafts"
             if num_drafts:
                 request.num_computed_tokens -= num_drafts - num_accepted
-                # _record_acceptance, inlined (hot path)
+                # per-request acceptance counters (inlined: hot path)
                 request.num_draft_steps += 1
                 request.num_draft_tokens += num_drafts
                 request.num_accepted_tokens += num_accepted
@@ -247,17 +247,6 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status == RUNNING]
         return outputs
-
-    @staticmethod
-    def _record_acceptance(request: Request, num_drafts: int, num_accepted: int) -> None:
-        request.num_draft_steps += 1
-        request.num_draft_tokens += num_drafts
-        request.num_accepted_tokens += num_accepted
-        per_pos = request.accepted_per_pos
-        if len(per_pos) < num_drafts:
-            per_pos.extend([0] * (num_drafts - len(per_pos)))
-        for j in range(num_accepted):
-            per_pos[j] += 1
 
     def update_draft_token_ids(self, drafts: Mapping[str, list[int]]) -> None:
         """Set next step's drafts, clipped so a verify never runs past ``max_model_len`` nor

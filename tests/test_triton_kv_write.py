@@ -9,34 +9,17 @@ Everything skips when triton is not installed.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from kernels.kv_write import write_kv, write_kv_reference
-from kernels.triton_utils import HAS_TRITON, triton_interpret_enabled
 
-ROOT = Path(__file__).resolve().parents[1]
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+from triton_interp import needs_cuda, needs_triton, run_interpreted  # noqa: E402
 
 
 def _run_interpreted(func_name: str, *args) -> None:
-    """Run ``func_name(*args)`` from this file under TRITON_INTERPRET=1."""
-    if triton_interpret_enabled():  # whole process already interpreted: run here
-        globals()[func_name](*args)
-        return
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    code = (f"import runpy; ns = runpy.run_path({str(Path(__file__).resolve())!r}); "
-            f"ns[{func_name!r}](*{args!r})")
-    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, f"interpreted check failed:\n{res.stdout}\n{res.stderr}"
+    run_interpreted(__file__, globals(), func_name, *args)
 
 
 def _case(seed: int, device: str, num_tokens: int, heads: int, head_dim: int,
