@@ -54,9 +54,6 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table (a live list: read it, do not mutate it)."""
         return self.req_block_ids.get(request_id, [])
@@ -187,10 +184,6 @@ class KVCacheManager:
         if held:
             held.reverse()
             self.pool.free_blocks(held)
-
-    def drop_hashes(self, request) -> None:
-        """Forget the request's computed hashes (its token list will change, e.g. on preemption)."""
-        self.req_hashes.pop(request.request_id, None)
 
     # ------------------------------------------------------------------ checks
     def num_blocks_held(self, request_id: str) -> int:

@@ -99,9 +99,3 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
-
-    def sort_key(self, policy: str) -> tuple[int, int]:
-        """Smaller runs first; the victim of preemption is the largest."""
-        if policy == "priority":
-            return (self.priority, self.arrival_index)
-        return (0, self.arrival_index)
