@@ -242,7 +242,7 @@ def _summarise(args, prompts, labels, timings, stats, profiles, mismatches) -> d
            f"--max-new-tokens {args.max_new_tokens} --max-prompt-tokens {args.max_prompt_tokens} "
            f"--threads {args.threads} --methods {' '.join(args.methods)} --hf-pld-k {args.hf_pld_k} "
            + (f"--categories {' '.join(args.categories)} " if args.categories else "") +
-           f"--markdown --figures")
+           "--markdown --figures")
     md = (f"`{cmd}` ({time.strftime('%Y-%m-%d')}; SmolLM2-135M-Instruct fp32, greedy, batch 1, "
           f"{args.per_category} prompt(s) per Spec-Bench category (first turn, chat template, capped at "
           f"{args.max_prompt_tokens} tokens) + code editing; EOS honoured; {os.cpu_count()} shared cores, "
