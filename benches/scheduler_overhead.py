@@ -93,7 +93,6 @@ def measure(num_requests: int, num_drafts: int, steps: int, warmup: int = 20, se
     gc.collect()
     for step in range(warmup + steps):
         if num_drafts:
-            perf()
             drafts = {r.request_id: draft_pool[(step * 7 + i) % 4000:(step * 7 + i) % 4000 + num_drafts]
                       for i, r in enumerate(sched.running)}
             d1 = perf()
