@@ -1,0 +1,212 @@
+"""Random-weight Llama engines of realistic shapes, built without any model file.
+
+For GPU benchmarks on machines without internet (the default model's GGUF cannot travel there).
+``build_synthetic_engine`` wires the REAL components (``Scheduler``, ``ModelRunner``, ``Sampler``,
+KV caches sized from a byte budget, the attention backend the selector picks: FlashInfer on CUDA
+when installed) around a :class:`LlamaForCausalLM` whose weights are generated directly on the
+device, one tensor at a time (no host copy of an 8B state dict). Prompts are token ids, so no
+tokenizer is involved: :class:`SyntheticEngine` has ``add_request`` / ``step`` like
+``LLMEngine`` but returns the scheduler's ``EngineCoreOutput`` s (token ids, no text).
+
+:class:`OracleProposer` drafts the target's own greedy continuation (recorded by a run without
+speculation) with per-token acceptance probability α: each drafted token is the true next token
+with probability α and a wrong one otherwise (drafts after the first wrong one are never accepted,
+whatever they are), so greedy verification accepts a geometric number of drafts.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from engine.kv_cache_alloc import allocate_kv_caches, num_blocks_for_budget
+from engine.model import build_model
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.prompts import make_request
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from scheduler.config import SchedulerConfig
+from scheduler.output import EngineCoreOutput
+from scheduler.scheduler import Scheduler
+from spec.config import SpeculativeConfig
+from spec.proposer import BaseProposer
+from spec.speculator import Speculator
+
+_COMMON = dict(architecture="llama", rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192)
+
+SHAPES: dict[str, ModelConfig] = {
+    # CPU smoke tests: a few MB.
+    "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        tie_word_embeddings=True, architecture="llama", max_position_embeddings=4096),
+    # Llama-3.2-1B-like: tied embeddings, head_dim 64.
+    "1b": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                      tie_word_embeddings=True, **_COMMON),
+    # Llama-3-8B-like: untied lm_head, head_dim 128.
+    "8b": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                      tie_word_embeddings=False, **_COMMON),
+}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def param_count(cfg: ModelConfig) -> int:
+    h, i, v, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.resolved_head_dim
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d * h
+    layer = qkv + cfg.num_attention_heads * d * h + 3 * h * i + 2 * h
+    return v * h * (1 if cfg.tie_word_embeddings else 2) + cfg.num_hidden_layers * layer + h
+
+
+class _RandomStateDict(dict):
+    """HF-named state dict whose layer tensors are generated on first access and not kept
+    (``build_model`` fuses q/k/v and gate/up into new tensors, so each random tensor lives only
+    while its layer is being built). Embedding / final norm / lm_head are stored eagerly."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, std: float,
+                 seed: int) -> None:
+        super().__init__()
+        self.cfg, self.dtype, self.device, self.std = cfg, dtype, device, std
+        self.gen = torch.Generator(device=device)
+        self.gen.manual_seed(seed)
+        h, v = cfg.hidden_size, cfg.vocab_size
+        self["model.embed_tokens.weight"] = self._randn((v, h))
+        self["model.norm.weight"] = torch.ones(h, dtype=dtype, device=device)
+        if not cfg.tie_word_embeddings:
+            self["lm_head.weight"] = self._randn((v, h))
+
+    def _randn(self, shape) -> torch.Tensor:
+        t = torch.empty(shape, dtype=self.dtype, device=self.device)
+        t.normal_(0.0, self.std, generator=self.gen)
+        return t
+
+    def __missing__(self, key: str) -> torch.Tensor:
+        cfg = self.cfg
+        h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.resolved_head_dim
+        name = key.split(".", 3)[-1] if key.startswith("model.layers.") else key
+        shapes = {
+            "self_attn.q_proj.weight": (cfg.num_attention_heads * d, h),
+            "self_attn.k_proj.weight": (cfg.num_key_value_heads * d, h),
+            "self_attn.v_proj.weight": (cfg.num_key_value_heads * d, h),
+            "self_attn.o_proj.weight": (h, cfg.num_attention_heads * d),
+            "mlp.gate_proj.weight": (i, h),
+            "mlp.up_proj.weight": (i, h),
+            "mlp.down_proj.weight": (h, i),
+        }
+        if name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            return torch.ones(h, dtype=self.dtype, device=self.device)
+        if name not in shapes:
+            raise KeyError(key)
+        return self._randn(shapes[name])
+
+
+class _IdsOnlyTokenizer:
+    """What ``make_request`` needs from a tokenizer for token-id prompts: no EOS at all."""
+
+    eos_token_id = None
+    eos_token_ids: list[int] = []
+
+
+@dataclass
+class SyntheticEngine:
+    """``LLMEngine.step`` without the output processor (token ids only)."""
+
+    model_config: ModelConfig
+    model: torch.nn.Module
+    scheduler: Scheduler
+    runner: ModelRunner
+    speculator: Speculator
+    device: torch.device
+    dtype: torch.dtype
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        _, request = make_request(request_id, list(prompt_token_ids), params, 0, _IdsOnlyTokenizer(),
+                                  self.model_config.vocab_size)
+        self.scheduler.add_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        out = self.runner.execute(sched)
+        core = self.scheduler.update_from_output(sched, out)
+        self.speculator.after_step(core, self.scheduler, self.runner)
+        return core
+
+    def set_speculator(self, proposer=None, k: int = 0) -> None:
+        """Speculation off (``proposer=None``) or ``proposer`` with a fixed k drafts per step."""
+        if proposer is None:
+            self.speculator = Speculator()
+        else:
+            cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
+            self.speculator = Speculator(cfg, proposer)
+
+
+def build_synthetic_engine(shape: str | ModelConfig = "tiny", device: str | torch.device = "cpu",
+                           dtype: str | torch.dtype = "float32", kv_bytes: int = 64 << 20,
+                           max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                           spec_k: int = 0, acceptance: float = 1.0, block_size: int = 16,
+                           max_model_len: int | None = None, std: float = 0.02,
+                           seed: int = 0) -> SyntheticEngine:
+    """A ready engine over a random-weight model. ``spec_k > 0`` installs an
+    :class:`OracleProposer` with ``acceptance`` (give it references with ``set_references``)."""
+    cfg = SHAPES[shape] if isinstance(shape, str) else shape
+    device = torch.device(device)
+    dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+    torch.manual_seed(seed)
+    sd = _RandomStateDict(cfg, dtype, device, std, seed)
+    model = build_model(cfg, sd, dtype, device)
+    sd.clear()
+    del sd
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    num_blocks = num_blocks_for_budget(cfg, block_size, dtype, kv_bytes)
+    mml = max_model_len or min(cfg.max_position_embeddings, num_blocks * block_size)
+    sched_cfg = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                max_model_len=mml, block_size=block_size, num_blocks=num_blocks,
+                                enable_prefix_caching=False)
+    kv_caches = allocate_kv_caches(cfg, num_blocks, block_size, dtype, device)
+    runner = ModelRunner(model, cfg, kv_caches, block_size, Sampler(), device)
+    eng = SyntheticEngine(cfg, model, Scheduler(sched_cfg), runner, Speculator(), device, dtype)
+    if spec_k > 0:
+        eng.set_speculator(OracleProposer(acceptance, cfg.vocab_size), spec_k)
+    return eng
+
+
+class OracleProposer(BaseProposer):
+    """Drafts the recorded greedy continuation; each token is right with probability ``acceptance``.
+
+    ``references[request_id]`` = the request's output tokens from a run without speculation.
+    A wrong draft is the true token + 1 (mod vocab), so it is never accepted by greedy verify.
+    """
+
+    def __init__(self, acceptance: float, vocab_size: int, references: dict[str, list[int]] | None = None,
+                 seed: int = 0) -> None:
+        if not 0.0 <= acceptance <= 1.0:
+            raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
+        self.acceptance = acceptance
+        self.vocab_size = vocab_size
+        self.references = dict(references or {})
+        self.rng = random.Random(seed)
+
+    def set_references(self, references: dict[str, list[int]]) -> None:
+        self.references = dict(references)
+
+    def propose(self, requests: Sequence, num_tokens: Sequence[int]) -> list[list[int]]:
+        out = []
+        for r, k in zip(requests, num_tokens):
+            ref = self.references.get(r.request_id)
+            if ref is None or k <= 0:
+                out.append([])
+                continue
+            n = r.num_output_tokens
+            truth = ref[n:n + k]
+            drafts = [t if self.rng.random() < self.acceptance else (t + 1) % self.vocab_size for t in truth]
+            out.append(drafts)
+        return out
