@@ -108,15 +108,21 @@ def bench_verify(eng, batches: list[int], ks: list[int], context: int, iters: in
             if sched is None:
                 print(f"  verify: B={b} k={k} does not fit the KV pool, skipped", flush=True)
                 continue
-            for _ in range(warmup):
-                eng.runner.execute(sched)
             times = []
-            for _ in range(iters):
-                _sync(dev)
-                t = time.perf_counter()
-                eng.runner.execute(sched)  # synchronizes on CUDA before returning
-                _sync(dev)
-                times.append(time.perf_counter() - t)
+            try:
+                for _ in range(warmup):
+                    eng.runner.execute(sched)
+                for _ in range(iters):
+                    _sync(dev)
+                    t = time.perf_counter()
+                    eng.runner.execute(sched)  # synchronizes on CUDA before returning
+                    _sync(dev)
+                    times.append(time.perf_counter() - t)
+            except torch.OutOfMemoryError:
+                print(f"  verify: B={b} k={k} ran out of device memory, skipped", flush=True)
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
             ms = statistics.median(times) * 1e3
             if k == 0:
                 base = ms
@@ -322,6 +328,38 @@ def split_table(rows):
     return heads, out
 
 
+def _sections(result: dict):
+    a = result["info"]["args"]
+    return [("(a) verify cost: one runner.execute, B requests × (1 + k) tokens, "
+             f"context {a['context']}", verify_table(result["verify_cost"])),
+            (f"(b) decode, prompt {a['prompt_len']}, {a['max_tokens']} new tokens, greedy, oracle drafter",
+             decode_table(result["decode"])),
+            ("(c) ms per decode step (sync-bracketed, profiled runs)", split_table(result["step_split"]))]
+
+
+def print_report(result: dict) -> None:
+    for title, (heads, rows) in _sections(result):
+        print(f"\n{title}")
+        print_table(heads, rows)
+
+
+def markdown_body(results: list[dict]) -> str:
+    """The RESULTS.md section: one ``###`` subsection per result (shape / device)."""
+    body = ["Random-weight Llama models of realistic shapes (`benches/synthetic_model.py`, std 0.02) and an "
+            "oracle drafter: the no-speculation run's greedy tokens, each draft right with probability α. "
+            "`lossless` compares every token with the no-speculation run; `match` = share of tokens up "
+            "to the first divergence. τ = tokens per verify step (incl. the bonus token).", ""]
+    for result in results:
+        info = result["info"]
+        body += [f"### `{info['shape']}` ({info['params_b']:.2f}B params) on {info['device']}", "",
+                 f"- Date: {info['date']}. torch {info.get('torch', '?')}, {info['dtype']}, attention backend "
+                 f"`{info['attention_backend']}`, {info['kv_blocks']} KV blocks of {info['block_size']}.",
+                 f"- Command: `{info.get('command', '?')}`", ""]
+        for title, (heads, rows) in _sections(result):
+            body += [f"**{title}**", "", markdown_table(heads, rows), ""]
+    return "\n".join(body)
+
+
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -354,12 +392,26 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-profile", action="store_true", help="skip (c), the per-step split")
     ap.add_argument("--skip-verify", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--attention", default="auto", choices=["auto", "torch_ref"],
+                    help="torch_ref forces the reference attention (sets TOKENBUDGET_ATTENTION_BACKEND)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", action="store_true", help=f"write the '## {SECTION}' section of --results-md")
     ap.add_argument("--results-md", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
+    ap.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
+                    help="run nothing: print the tables of saved --json files (and --markdown them, "
+                         "one subsection each)")
     args = ap.parse_args(argv)
+    if args.from_json:
+        import json
+        results = [json.load(open(p)) for p in args.from_json]
+        for r in results:
+            print(f"\n== {r['info']['shape']} on {r['info']['device']}")
+            print_report(r)
+        if args.markdown:
+            replace_section(args.results_md, SECTION, markdown_body(results))
+        return {"results": results}
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -367,6 +419,8 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.attention == "torch_ref":
+        os.environ["TOKENBUDGET_ATTENTION_BACKEND"] = "torch_ref"
     cfg = SHAPES[args.shape]
     verify_batches, verify_ks = _ints(args.verify_batches), _ints(args.verify_ks)
     decode_batches = _ints(args.decode_batches)
@@ -402,32 +456,19 @@ def main(argv: list[str] | None = None) -> dict:
         print("(a) verify cost", flush=True)
         result["verify_cost"] = bench_verify(eng, verify_batches, verify_ks, args.context,
                                              args.verify_iters, args.warmup, args.seed)
+        write_json(args.json, result)  # partial results survive a later failure
     if not args.skip_decode:
         print("(b) decode / (c) step split", flush=True)
         result["decode"], result["step_split"] = bench_decode(
             eng, decode_batches, args.prompt_len, args.max_tokens, spec_ks, alphas, args.repeats,
             args.seed, not args.no_profile)
 
-    sections = [("(a) verify cost: one runner.execute, B requests × (1 + k) tokens, "
-                 f"context {args.context}", verify_table(result["verify_cost"])),
-                (f"(b) decode, prompt {args.prompt_len}, {args.max_tokens} new tokens, greedy, oracle drafter",
-                 decode_table(result["decode"])),
-                ("(c) ms per decode step (sync-bracketed, profiled runs)", split_table(result["step_split"]))]
-    for title, (heads, rows) in sections:
-        print(f"\n{title}")
-        print_table(heads, rows)
+    info["command"] = "python benches/gpu_spec.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    info["torch"] = torch.__version__
+    print_report(result)
     write_json(args.json, result)
     if args.markdown:
-        body = [f"- Date: {info['date']}. Device: {info['device']}, torch {torch.__version__}, {dtype}, "
-                f"attention backend `{info['attention_backend']}`. Model: random-weight `{args.shape}` "
-                f"({info['params_b']:.2f}B params, std 0.02), {info['kv_blocks']} KV blocks of {args.block_size}.",
-                "- Command: `python benches/gpu_spec.py " + " ".join(argv if argv is not None else sys.argv[1:]) + "`",
-                "- Oracle drafter: the no-speculation run's greedy tokens, each draft right with probability α. "
-                "`lossless` compares every token with the no-speculation run; `match` = share of tokens up "
-                "to the first divergence.", ""]
-        for title, (heads, rows) in sections:
-            body += [f"**{title}**", "", markdown_table(heads, rows), ""]
-        replace_section(args.results_md, SECTION, "\n".join(body))
+        replace_section(args.results_md, SECTION, markdown_body([result]))
     return result
 
 

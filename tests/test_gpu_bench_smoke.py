@@ -74,3 +74,8 @@ def test_gpu_spec_script_cpu_smoke(tmp_path):
         assert set(gpu_spec.SPLIT_KEYS) <= r["ms"].keys() and r["ms"]["forward"] > 0
     text = md.read_text()
     assert f"## {gpu_spec.SECTION}" in text and "keep me" in text and "(c) ms per decode step" in text
+    assert "### `tiny`" in text
+    # Re-render from saved JSON (how GPU results come back): two results, two subsections.
+    md2 = tmp_path / "R2.md"
+    gpu_spec.main(["--from-json", str(out), str(out), "--markdown", "--results-md", str(md2)])
+    assert md2.read_text().count("### `tiny`") == 2
