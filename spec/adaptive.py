@@ -2,12 +2,15 @@
 
 Objective. For drafts k = (k_1..k_B) over the B decoding requests of the next step,
 
-    maximise  R(k) = sum_i E_i(k_i) / ( c(T_base + sum_i (1 + k_i)) + d(sum_i k_i) )
+    maximise  R(k) = sum_i E_i(k_i) / ( c(T_base + sum_i (1 + k_i), B_step) + d(sum_i k_i) )
 
 with E_i(k) = 1 + sum_{j<k} m_{i,j},  m_{i,j} = prod_{l<=j} a_{i,l}  (expected committed tokens:
 accepted drafts plus the bonus/recovered token), a_{i,l} the per-request conditional acceptance
 estimates (``spec.acceptance``), c the target step cost (``spec.cost_model``), d the drafter
-cost (0 for n-gram/suffix, per draft token for a draft model), T_base the step's other tokens.
+cost (0 for n-gram/suffix, per draft token for a draft model), T_base the step's other tokens,
+B_step = B + the step's other requests. The cost model is additive, c(T, B) = h(T) +
+per_request * (B - 1) (``StepCostModel``); B_step is fixed within a step, so c is a function of
+T alone there and the exact algorithm below applies unchanged.
 
 Exact algorithm (``optimal_draft_lengths``). Both cost terms depend on k only through the total
 D = sum_i k_i. For a fixed D the denominator is fixed, so the best k for that D maximises the
@@ -48,13 +51,15 @@ is the glue that does the per-request part):
                runner_forward, default_grid(max_num_batched_tokens)))   # at start-up
     ...
     sched = scheduler.schedule(); out = runner.execute(sched)            # timed: seconds
-    ctrl.observe_step(sched.total_num_scheduled_tokens, seconds)        # cost_model.update
+    ctrl.observe_step(sched.total_num_scheduled_tokens, seconds,
+                      num_requests=len(sched.scheduled))                 # cost_model.update
     outputs = scheduler.update_from_output(sched, out)
     for o in outputs: ctrl.observe(o.request_id, o.num_draft_tokens, o.num_accepted_tokens)
     for each finished/aborted request r: ctrl.forget(r.request_id)
     reqs = running requests that are decoding
     ks = ctrl.choose(reqs, base_tokens=<next step's other tokens, e.g. pending prefill>,
-                     caps=[draft_limit(r, max_model_len) for r in reqs])   # caps optional
+                     caps=[draft_limit(r, max_model_len) for r in reqs],   # caps optional
+                     base_requests=<next step's other requests>)
     drafts = proposer.propose(reqs, ks)                                  # k_i = 0: skip
     scheduler.update_draft_token_ids({r.request_id: d for r, d in zip(reqs, drafts) if d})
 
@@ -180,12 +185,20 @@ class AdaptiveSpecController:
             return None if dc == 0 else (lambda d: dc * np.asarray(d, dtype=np.float64))
         return lambda d: np.where(np.asarray(d) > 0, dc.cost(np.maximum(d, 1)), 0.0)
 
-    def _step_cost(self, base: int, b: int) -> CostFn:
+    def _target_cost(self, num_requests: int) -> CostFn:
+        """c(T) for a step of ``num_requests`` requests (the per-request term is a constant)."""
+        model = self.cost_model
+        if num_requests <= 1 or not getattr(model, "per_request", 0.0):
+            return model.cost
+        return lambda t: model.cost(t, num_requests)
+
+    def _step_cost(self, base: int, b: int, num_requests: int | None = None) -> CostFn:
         """Denominator of R as a function of the total drafts D."""
         drafter = self._drafter_fn()
+        target = self._target_cost(b if num_requests is None else num_requests)
 
         def total(d: np.ndarray) -> np.ndarray:
-            c = self.cost_model.cost(base + b + np.asarray(d))
+            c = target(base + b + np.asarray(d))
             return c if drafter is None else c + drafter(d)
         return total
 
@@ -202,14 +215,17 @@ class AdaptiveSpecController:
         return np.clip(out, 0, self.max_k)
 
     def choose(self, requests: Sequence[Request], base_tokens: int = 0,
-               caps: Sequence[int] | None = None) -> list[int]:
+               caps: Sequence[int] | None = None, base_requests: int = 0) -> list[int]:
         """Drafts to propose for each request next step (``0 <= k_i <= cap_i``).
 
         base_tokens: tokens the step carries besides each listed request's 1 + k_i (prefill
-        chunks, non-speculating requests). Call once per engine step.
+        chunks, non-speculating requests). base_requests: how many requests those are (for
+        the cost model's per-request term). Call once per engine step.
         """
         if base_tokens < 0:
             raise ValueError(f"base_tokens must be >= 0, got {base_tokens}")
+        if base_requests < 0:
+            raise ValueError(f"base_requests must be >= 0, got {base_requests}")
         self.step += 1
         self.acceptance.decay_global()
         b = len(requests)
@@ -219,9 +235,10 @@ class AdaptiveSpecController:
         cap = self.caps_for(requests, caps)
         slots = self.acceptance.slots([r.request_id for r in requests], self.step)
         probs = self.acceptance.probs(slots)
-        k, num, _ = optimal_draft_lengths(probs, cap, base_tokens, self.cost_model.cost,
+        n_req = b + int(base_requests)
+        k, num, _ = optimal_draft_lengths(probs, cap, base_tokens, self._target_cost(n_req),
                                           self._drafter_fn(), self.min_draft_gain)
-        cost = self._step_cost(base_tokens, b)
+        cost = self._step_cost(base_tokens, b, n_req)
         n_probes = self._add_probes(k, cap, slots, num, cost)
         num += n_probes * float(self.acceptance.global_probs()[0])
         den = float(cost(int(k.sum())))
@@ -259,9 +276,14 @@ class AdaptiveSpecController:
         ``num_accepted``."""
         self.acceptance.observe(request_id, num_draft, num_accepted, self.step)
 
-    def observe_step(self, total_tokens: int, seconds: float) -> None:
-        """The runner's measured step: ``total_tokens`` tokens took ``seconds``."""
-        self.cost_model.update(total_tokens, seconds)
+    def observe_step(self, total_tokens: int, seconds: float,
+                     num_requests: int | None = None) -> None:
+        """The runner's measured step: ``total_tokens`` tokens of ``num_requests`` requests (if
+        known) took ``seconds``."""
+        if num_requests is None:
+            self.cost_model.update(total_tokens, seconds)
+        else:
+            self.cost_model.update(total_tokens, seconds, num_requests=num_requests)
 
     def forget(self, request_id: str) -> None:
         """The request finished or was aborted; free its state."""

@@ -31,6 +31,18 @@ How it is built:
   measurements per bucket, capped) each time they change. A cost that falls when tokens are added
   is measurement noise, and a non-monotone c(T) would reward padding steps with useless drafts.
 
+* Requests per step (``per_request``): on a backend with per-request overhead (the torch
+  attention path loops over requests in Python; each request also attends over its own context)
+  a step of B requests carrying T tokens costs more than one request of T tokens. The model is
+  additive, ``cost(T, B) = h(T) + per_request * (B - 1)``, h the bucketed curve above (measured on
+  one request, so B = 1 is the old model). An update that says how many requests the step had
+  (``update(T, seconds, num_requests=B)``) regresses the residual ``seconds - h(T)`` on
+  ``B - 1`` (through the origin, exponentially weighted sufficient statistics with weight
+  ``per_request_ewma``, seeded by the start-up probe with ``per_request_prior`` pseudo-steps) and
+  feeds only ``seconds - per_request * (B - 1)`` into h, so multi-request steps no longer inflate
+  the T curve. For a fixed batch the term is a constant, so the controller's objective still
+  varies only through T. Updates without ``num_requests`` leave the term alone (old behaviour).
+
 Units are whatever the caller measures (seconds from ``time.perf_counter``); the controller only
 uses ratios, but target and drafter costs must share a unit. ``run_forward`` must block until the
 device has finished (e.g. call ``torch.cuda.synchronize()``), or the timings measure launch only.
@@ -89,7 +101,8 @@ class StepCostModel:
     def __init__(self, tokens: Sequence[int], seconds: Sequence[float],
                  counts: Sequence[float] | None = None, *, ewma: float = 0.1,
                  max_update_factor: float = 3.0, max_buckets: int = 64,
-                 scale_ewma: float = 0.0) -> None:
+                 scale_ewma: float = 0.0, per_request: float = 0.0,
+                 per_request_ewma: float = 0.02, per_request_prior: float = 20.0) -> None:
         if len(tokens) == 0 or len(tokens) != len(seconds):
             raise ValueError("tokens and seconds must be non-empty and of equal length")
         if not 0.0 < ewma <= 1.0:
@@ -114,7 +127,54 @@ class StepCostModel:
         self.scale_ewma = float(scale_ewma)
         self.max_buckets = int(max_buckets)
         self.num_updates = 0
+        if not (np.isfinite(per_request) and per_request >= 0):
+            raise ValueError(f"per_request must be finite and >= 0, got {per_request}")
+        if not 0.0 < per_request_ewma <= 1.0:
+            raise ValueError(f"per_request_ewma must be in (0, 1], got {per_request_ewma}")
+        if per_request_prior < 0:
+            raise ValueError(f"per_request_prior must be >= 0, got {per_request_prior}")
+        self.per_request_ewma = float(per_request_ewma)
+        self.per_request_prior = float(per_request_prior)
+        # Weighted sums of x^2 and x * residual (x = B - 1) behind per_request = sxy / sxx.
+        self._sxx = 0.0
+        self._sxy = 0.0
+        self.per_request = float(per_request)
         self._refit()
+
+    # ---- per-request term ----
+    def set_per_request(self, value: float, weight: float | None = None,
+                        scale: float = 1.0) -> None:
+        """Seed the per-request term with ``value`` worth ``weight`` pseudo-steps (default
+        ``per_request_prior``) of ``scale`` extra requests each."""
+        if not (np.isfinite(value) and value >= 0):
+            raise ValueError(f"per_request must be finite and >= 0, got {value}")
+        w = self.per_request_prior if weight is None else float(weight)
+        self.per_request = float(value)
+        self._sxx = w * scale * scale
+        self._sxy = self._sxx * self.per_request
+
+    def fit_per_request(self, measurements: Iterable[tuple[int, int, float]], *,
+                        weight: float | None = None) -> float:
+        """Least-squares per-request term from (tokens, requests, seconds) measurements:
+        residuals ``seconds - h(tokens)`` regressed on ``requests - 1`` through the origin
+        (clipped at 0). Seeds the online estimate; returns it."""
+        xs, rs = [], []
+        for t, b, sec in measurements:
+            xs.append(float(b) - 1.0)
+            rs.append(float(sec) - float(self.cost(t)))
+        x, r = np.asarray(xs), np.asarray(rs)
+        sxx = float(np.dot(x, x))
+        if sxx <= 0:
+            return self.per_request
+        value = max(float(np.dot(x, r)) / sxx, 0.0)
+        self.set_per_request(value, weight, scale=float(np.sqrt(sxx / len(x))))
+        return self.per_request
+
+    def _update_per_request(self, x: float, residual: float) -> None:
+        lam = self.per_request_ewma
+        self._sxx = (1.0 - lam) * self._sxx + lam * x * x
+        self._sxy = (1.0 - lam) * self._sxy + lam * x * residual
+        self.per_request = max(self._sxy / self._sxx, 0.0) if self._sxx > 0 else 0.0
 
     # ---- construction ----
     @classmethod
@@ -146,8 +206,18 @@ class StepCostModel:
         """(T, fitted monotone cost) per bucket."""
         return [(int(t), float(c)) for t, c in zip(self._t, self._fit)]
 
-    def cost(self, tokens):
-        """c(T) for an int or an array of token counts (array in, array out)."""
+    def cost(self, tokens, num_requests=None):
+        """c(T) for an int or an array of token counts (array in, array out); with
+        ``num_requests`` = B (int or array) adds ``per_request * (B - 1)``."""
+        y = self._h(tokens)
+        if num_requests is not None and self.per_request > 0:
+            extra = self.per_request * np.maximum(np.asarray(num_requests, dtype=np.float64) - 1, 0)
+            y = y + extra
+            if np.ndim(y) == 0:
+                y = float(y)
+        return y
+
+    def _h(self, tokens):
         x = np.asarray(tokens, dtype=np.float64)
         y = np.interp(x, self._t, self._fit)
         if len(self._t) > 1:
@@ -159,12 +229,24 @@ class StepCostModel:
     __call__ = cost
 
     # ---- online refinement ----
-    def update(self, tokens: int, seconds: float) -> None:
-        """Fold one measured step (``tokens`` total tokens took ``seconds``) into the model."""
+    def update(self, tokens: int, seconds: float, num_requests: int | None = None) -> None:
+        """Fold one measured step (``tokens`` total tokens took ``seconds``) into the model.
+
+        With ``num_requests`` (requests in the step) the per-request term learns from the
+        residual over h(T) and h hears only ``seconds - per_request * (num_requests - 1)``."""
         if tokens < 1 or not np.isfinite(seconds) or seconds < 0:
             raise ValueError(f"need tokens >= 1 and finite seconds >= 0, got {tokens}, {seconds}")
         self.num_updates += 1
         t = float(tokens)
+        if num_requests is not None and num_requests > 1:
+            x = float(num_requests) - 1.0
+            h = float(self._h(t))
+            pred = h + self.per_request * x
+            f = self.max_update_factor
+            # one-off stalls move it little; no clip before the term has any evidence
+            clipped = min(max(seconds, pred / f), pred * f) if self._sxx > 0 else seconds
+            self._update_per_request(x, clipped - h)
+            seconds = max(seconds - self.per_request * x, 0.0)
         if self.scale_ewma > 0:
             r = seconds / float(self.cost(t))
             r = min(max(r, 1.0 / self.max_update_factor), self.max_update_factor)
@@ -198,7 +280,8 @@ class StepCostModel:
 
     def __repr__(self) -> str:
         pts = ", ".join(f"{t}:{c:.3g}" for t, c in self.points)
-        return f"StepCostModel([{pts}])"
+        extra = f", per_request={self.per_request:.3g}" if self.per_request else ""
+        return f"StepCostModel([{pts}]{extra})"
 
 
 def measure_step_costs(run_forward: Callable[[int], None], grid: Iterable[int], *,

@@ -47,7 +47,8 @@ class Speculator:
             return
         self.observe(outputs)
         if self.controller is not None and getattr(runner, "last_step", None):
-            self.controller.observe_step(*runner.last_step)
+            self.controller.observe_step(*runner.last_step[:2],
+                                         num_requests=self._step_requests(outputs, scheduler, runner))
         for request in finished:
             self.proposer.on_request_finished(request)
             if self.controller is not None:
@@ -77,7 +78,8 @@ class Speculator:
                 drafted = self.proposer.propose(decoding, caps)
                 caps = [len(d) for d in drafted]
             base = min(self._base_tokens(scheduler, decoding), scheduler.config.max_num_batched_tokens)
-            ks = self.controller.choose(decoding, base, caps)
+            ks = self.controller.choose(decoding, base, caps,
+                                        base_requests=self._base_requests(scheduler, decoding))
         else:
             ks = [self.max_k if r.max_spec_tokens is None else min(self.max_k, r.max_spec_tokens)
                   for r in decoding]
@@ -99,6 +101,24 @@ class Speculator:
                 if p is not None and d:
                     runner.set_draft_probs(r.request_id, p[:len(d)])
         scheduler.update_draft_token_ids({r.request_id: d for r, d in zip(reqs, drafts) if d})
+
+    @staticmethod
+    def _step_requests(outputs, scheduler, runner) -> int:
+        """Requests in the step just run: the runner's figure if it reports one, else those
+        that produced output (finished ones included) plus the running partial prefills (which
+        produce none)."""
+        last = runner.last_step
+        if len(last) > 2 and last[2]:
+            return int(last[2])
+        partial = sum(1 for r in scheduler.running if r.num_computed_tokens < r.num_tokens - 1)
+        return max(len(outputs) + partial, 1)
+
+    @staticmethod
+    def _base_requests(scheduler, decoding) -> int:
+        """Requests the next step runs besides the decoding ones (prefills, non-speculating)."""
+        ids = {id(r) for r in decoding}
+        return sum(1 for r in scheduler.running
+                   if id(r) not in ids and r.num_tokens - r.num_computed_tokens > 0)
 
     @staticmethod
     def _base_tokens(scheduler, decoding) -> int:

@@ -258,3 +258,40 @@ def test_from_config_and_histogram():
     assert ctrl.k_histogram == {cfg.max_spec_tokens: 3}
     ctrl.observe_step(10, 1.0)
     assert ctrl.cost_model.num_updates == 1
+
+
+def test_per_request_cost_is_a_constant_within_a_step():
+    """With c(T, B) = h(T) + beta * (B - 1), choose() is the exact optimum with T -> c(T, B_step)
+    (B_step = listed requests + base_requests); a larger per-request overhead makes drafts
+    relatively cheaper, never more expensive."""
+    h = StepCostModel.linear(1.0, 0.1, max_tokens=256)
+    rng = np.random.default_rng(3)
+    for trial in range(40):
+        b = int(rng.integers(1, 5))
+        kmax = 3
+        probs = rng.uniform(0, 1, size=(b, kmax))
+        beta = float(rng.uniform(0, 2))
+        extra = int(rng.integers(0, 3))
+        m = StepCostModel.linear(1.0, 0.1, max_tokens=256, per_request=beta)
+        best = max(itertools.product(range(kmax + 1), repeat=b),
+                   key=lambda ks: sum(_e(list(p), k) for p, k in zip(probs, ks))
+                   / (h.cost(5 + b + sum(ks)) + beta * (b + extra - 1)))
+        ctrl = AdaptiveSpecController(kmax, cost_model=m, probe_interval=0, min_draft_gain=0.0)
+        got = optimal_draft_lengths(probs, np.full(b, kmax), 5, ctrl._target_cost(b + extra))[0]
+        obj = lambda ks: sum(_e(list(p), k) for p, k in zip(probs, ks)) / (
+            h.cost(5 + b + sum(ks)) + beta * (b + extra - 1))
+        assert obj(got) == pytest.approx(obj(best))
+
+
+def test_observe_step_with_requests_feeds_the_per_request_term():
+    m = StepCostModel.linear(0.01, 0.0001, max_tokens=256)
+    ctrl = AdaptiveSpecController(4, cost_model=m)
+    before = m.cost(64)
+    for _ in range(500):
+        ctrl.observe_step(64, m.cost(64) + 0.001 * 63, num_requests=64)
+    assert m.per_request == pytest.approx(0.001, rel=0.05)
+    assert m.cost(64) == pytest.approx(before, rel=0.01)
+    reqs = _reqs(2)
+    assert len(ctrl.choose(reqs, base_tokens=3, base_requests=3)) == 2
+    with pytest.raises(ValueError):
+        ctrl.choose(reqs, base_requests=-1)

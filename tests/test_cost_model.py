@@ -135,3 +135,69 @@ def test_measure_step_costs_with_fake_clock():
         assert m.cost(t) == pytest.approx(0.5 + 0.001 * t)
     with pytest.raises(ValueError):
         measure_step_costs(run_forward, [])
+
+
+# ---- per-request term: cost(T, B) = h(T) + per_request * (B - 1) ----
+
+def _h_true(t):
+    return 0.03 + 0.0005 * t
+
+
+def test_per_request_term_is_additive_and_backward_compatible():
+    m = StepCostModel.from_measurements([(1, 1.0), (10, 2.0)], per_request=0.5)
+    assert m.cost(5) == pytest.approx(m.cost(5, 1))          # no B: the T curve alone
+    assert m.cost(5, 4) == pytest.approx(m.cost(5) + 1.5)
+    assert np.allclose(m.cost(np.array([1, 10]), 3), [2.0, 3.0])
+    m.update(5, 0.0)                                          # no B: term untouched
+    assert m.per_request == 0.5
+
+
+def test_per_request_term_converges_on_synthetic_data():
+    grid = default_grid(256)
+    m = StepCostModel(grid, [_h_true(t) for t in grid])       # single-request probe: exact h
+    rng = np.random.default_rng(0)
+    beta = 0.002
+    for _ in range(3000):
+        b = int(rng.choice([1, 4, 16, 64]))
+        t = b * int(rng.integers(1, 5))
+        m.update(t, (_h_true(t) + beta * (b - 1)) * rng.uniform(0.95, 1.05), num_requests=b)
+    assert m.per_request == pytest.approx(beta, rel=0.1)
+    for t, c in m.points:
+        if t <= 256:
+            assert c == pytest.approx(_h_true(t), rel=0.1)
+
+
+def test_updates_at_varying_batch_size_do_not_inflate_the_token_curve():
+    grid = default_grid(256)
+    start = [_h_true(t) for t in grid]
+    beta = 0.004                      # 64 requests: ~8x the single-request cost at T = 64
+    rng = np.random.default_rng(1)
+    with_b = StepCostModel(grid, start)
+    with_b.fit_per_request([(b, b, _h_true(b) + beta * (b - 1)) for b in (1, 4, 16)])
+    assert with_b.per_request == pytest.approx(beta)
+    without_b = StepCostModel(grid, start)
+    for _ in range(2000):
+        b = int(rng.choice([4, 16, 64]))
+        t = b * int(rng.integers(1, 4))
+        s = _h_true(t) + beta * (b - 1)
+        with_b.update(t, s, num_requests=b)
+        without_b.update(t, s)
+    for (t, c), c0 in zip(with_b.points, start):
+        assert c == pytest.approx(c0, rel=0.02)
+    assert with_b.per_request == pytest.approx(beta, rel=0.02)
+    # the old model (no B) drags the buckets up: that is the bug this term fixes
+    assert without_b.cost(64) > 2 * _h_true(64)
+
+
+def test_per_request_update_is_clipped_and_never_negative():
+    m = StepCostModel([1, 16], [1.0, 1.0], per_request=0.1)
+    m.set_per_request(0.1, weight=1.0)
+    m.update(16, 1e6, num_requests=16)                        # one stall: bounded move
+    assert m.per_request < 0.1 * 3 + 1.0
+    for _ in range(500):
+        m.update(16, 0.5, num_requests=16)                    # faster than h alone
+    assert m.per_request >= 0.0
+    assert m.cost(16, 16) == pytest.approx(0.5, rel=0.05)
+    m2 = StepCostModel([1, 16], [1.0, 1.0])
+    m2.update(16, 0.5, num_requests=16)                       # residual < 0: clipped at 0
+    assert m2.per_request == 0.0
