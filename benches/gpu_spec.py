@@ -250,6 +250,7 @@ def bench_decode(eng, batches: list[int], prompt_len: int, max_tokens: int, spec
         prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(b)]
         configs = [(0, 1.0)] + [(k, a) for k in spec_ks for a in alphas]
         ref = None
+        ref_map: dict[str, list[int]] = {}
         results = {c: [] for c in configs}
         outs_by_cfg = {}
         stats_by_cfg = {}
@@ -257,7 +258,7 @@ def bench_decode(eng, batches: list[int], prompt_len: int, max_tokens: int, spec
             for k, a in configs:  # interleaved: the no-spec reference first in every repeat
                 if k and ref is None:
                     continue
-                _set_spec(eng, k, a, ref_map, seed + rep) if k else eng.set_speculator(None)
+                _set_spec(eng, k, a, ref_map, seed + rep)
                 out, dt, n, steps, _ = run_generation(eng, prompts, max_tokens)
                 if k == 0 and ref is None:
                     ref = out
