@@ -47,27 +47,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benches.common import machine_info, markdown_table, print_table, replace_section, write_json  # noqa: E402
+from benches.common import machine_info, replace_section, write_json  # noqa: E402
+from benches.step_timer import StepTimer, sync  # noqa: E402
+from benches.gpu_spec_report import SPLIT_KEYS, markdown_body, print_report  # noqa: E402
 from benches.synthetic_model import SHAPES, OracleProposer, build_synthetic_engine, param_count  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.prompts import make_request  # noqa: E402
 from scheduler.output import ScheduledRequest, SchedulerOutput  # noqa: E402
 
 SECTION = "GPU speculation (synthetic models)"
-SPLIT_KEYS = ("schedule", "prepare", "forward", "logits", "sampler", "update", "spec", "other")
-
-
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
 def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x.strip()]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ------------------------------------------------------------------------------ (a) verify cost
@@ -113,10 +107,10 @@ def bench_verify(eng, batches: list[int], ks: list[int], context: int, iters: in
                 for _ in range(warmup):
                     eng.runner.execute(sched)
                 for _ in range(iters):
-                    _sync(dev)
+                    sync(dev)
                     t = time.perf_counter()
                     eng.runner.execute(sched)  # synchronizes on CUDA before returning
-                    _sync(dev)
+                    sync(dev)
                     times.append(time.perf_counter() - t)
             except torch.OutOfMemoryError:
                 print(f"  verify: B={b} k={k} ran out of device memory, skipped", flush=True)
@@ -134,53 +128,7 @@ def bench_verify(eng, batches: list[int], ks: list[int], context: int, iters: in
 
 
 # ------------------------------------------------------------------------------ (b) decode
-class _StepTimer:
-    """Sync-bracketed timers on the runner/model/scheduler/speculator (instance attributes)."""
-
-    def __init__(self, eng) -> None:
-        self.eng = eng
-        self.cur: dict[str, float] = defaultdict(float)
-        self._restore: list[tuple[object, str, object]] = []
-
-    def _wrap(self, obj, name: str, key: str, gpu: bool) -> None:
-        fn = getattr(obj, name)
-        own = name in vars(obj) if hasattr(obj, "__dict__") else False
-        cur_ref, dev = self, self.eng.device
-
-        def timed(*a, **kw):
-            if gpu:
-                _sync(dev)
-            t = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                if gpu:
-                    _sync(dev)
-                cur_ref.cur[key] += time.perf_counter() - t
-
-        setattr(obj, name, timed)
-        self._restore.append((obj, name, fn if own else None))
-
-    def __enter__(self):
-        e, r = self.eng, self.eng.runner
-        self._wrap(e.scheduler, "schedule", "schedule", False)
-        self._wrap(e.scheduler, "update_from_output", "update", False)
-        self._wrap(e.speculator, "after_step", "spec", False)
-        self._wrap(r, "_prepare", "prepare", True)
-        self._wrap(r.model, "forward", "forward", True)
-        self._wrap(r.model, "compute_logits", "logits", True)
-        self._wrap(r, "sampler", "sampler", True)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for obj, name, orig in reversed(self._restore):
-            if orig is not None:
-                setattr(obj, name, orig)
-            else:
-                delattr(obj, name)
-
-
-def run_generation(eng, prompts: list[list[int]], max_tokens: int, timer: _StepTimer | None = None):
+def run_generation(eng, prompts: list[list[int]], max_tokens: int, timer: StepTimer | None = None):
     """Greedy, ignore_eos. Returns (tokens per request, decode seconds, decode tokens, steps,
     per-step split dicts of the decode steps)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -194,10 +142,10 @@ def run_generation(eng, prompts: list[list[int]], max_tokens: int, timer: _StepT
     while eng.has_unfinished_requests():
         if timer is not None:
             timer.cur = defaultdict(float)
-        _sync(eng.device)
+        sync(eng.device)
         t = time.perf_counter()
         outs = eng.step()
-        _sync(eng.device)
+        sync(eng.device)
         now = time.perf_counter()
         for o in outs:
             toks[o.request_id].extend(o.new_token_ids)
@@ -287,7 +235,7 @@ def bench_decode(eng, batches: list[int], prompt_len: int, max_tokens: int, spec
             prof_cfgs = [(0, 1.0)] + ([(max(spec_ks), max(alphas))] if spec_ks and alphas else [])
             for k, a in prof_cfgs:
                 _set_spec(eng, k, a, ref_map, seed) if k else eng.set_speculator(None)
-                with _StepTimer(eng) as timer:
+                with StepTimer(eng) as timer:
                     _, _, _, steps, splits = run_generation(eng, prompts, max_tokens, timer)
                 if not splits:
                     continue
@@ -301,64 +249,6 @@ def bench_decode(eng, batches: list[int], prompt_len: int, max_tokens: int, spec
                       + f" total={mean['total']:.3f} ms", flush=True)
     eng.set_speculator(None)
     return rows, split_rows
-
-
-# ------------------------------------------------------------------------------ tables
-def verify_table(rows):
-    heads = ["B", "k", "tokens", "ms", "x k=0"]
-    return heads, [[r["batch"], r["k"], r["tokens"], round(r["ms"], 3), round(r["ratio_to_k0"], 3)] for r in rows]
-
-
-def decode_table(rows):
-    heads = ["B", "k", "α", "decode tok/s", "speedup", "τ", "acc", "ms/step", "lossless", "match"]
-    out = []
-    for r in rows:
-        out.append([r["batch"], r["k"], r["alpha"] if r["k"] else "-", round(r["decode_tok_s"], 1),
-                    round(r["speedup"], 2), round(r.get("tau", 1.0), 2),
-                    round(r["acceptance"], 2) if "acceptance" in r else "-", round(r["ms_per_step"], 3),
-                    "yes" if r["lossless"] else "NO", round(r["match"], 3)])
-    return heads, out
-
-
-def split_table(rows):
-    heads = ["B", "k", "α", "steps"] + [f"{k} ms" for k in SPLIT_KEYS] + ["total ms"]
-    out = []
-    for r in rows:
-        out.append([r["batch"], r["k"], r["alpha"] if r["k"] else "-", r["steps"]]
-                   + [round(r["ms"][k], 3) for k in SPLIT_KEYS] + [round(r["ms"]["total"], 3)])
-    return heads, out
-
-
-def _sections(result: dict):
-    a = result["info"]["args"]
-    return [("(a) verify cost: one runner.execute, B requests × (1 + k) tokens, "
-             f"context {a['context']}", verify_table(result["verify_cost"])),
-            (f"(b) decode, prompt {a['prompt_len']}, {a['max_tokens']} new tokens, greedy, oracle drafter",
-             decode_table(result["decode"])),
-            ("(c) ms per decode step (sync-bracketed, profiled runs)", split_table(result["step_split"]))]
-
-
-def print_report(result: dict) -> None:
-    for title, (heads, rows) in _sections(result):
-        print(f"\n{title}")
-        print_table(heads, rows)
-
-
-def markdown_body(results: list[dict]) -> str:
-    """The RESULTS.md section: one ``###`` subsection per result (shape / device)."""
-    body = ["Random-weight Llama models of realistic shapes (`benches/synthetic_model.py`, std 0.02) and an "
-            "oracle drafter: the no-speculation run's greedy tokens, each draft right with probability α. "
-            "`lossless` compares every token with the no-speculation run; `match` = share of tokens up "
-            "to the first divergence. τ = tokens per verify step (incl. the bonus token).", ""]
-    for result in results:
-        info = result["info"]
-        body += [f"### `{info['shape']}` ({info['params_b']:.2f}B params) on {info['device']}", "",
-                 f"- Date: {info['date']}. torch {info.get('torch', '?')}, {info['dtype']}, attention backend "
-                 f"`{info['attention_backend']}`, {info['kv_blocks']} KV blocks of {info['block_size']}.",
-                 f"- Command: `{info.get('command', '?')}`", ""]
-        for title, (heads, rows) in _sections(result):
-            body += [f"**{title}**", "", markdown_table(heads, rows), ""]
-    return "\n".join(body)
 
 
 def _device_name(device: torch.device) -> str:
@@ -440,7 +330,7 @@ def main(argv: list[str] | None = None) -> dict:
         kv_bytes = 1 << 26
     eng = build_synthetic_engine(args.shape, device, dtype, kv_bytes=kv_bytes, max_num_seqs=max_seqs,
                                  max_num_batched_tokens=mnbt, block_size=args.block_size, seed=args.seed)
-    _sync(device)
+    sync(device)
     build_s = time.perf_counter() - t0
     info = {"shape": args.shape, "params_b": param_count(cfg) / 1e9, "device": _device_name(device),
             "dtype": dtype, "attention_backend": eng.runner.attn_backend.name,
