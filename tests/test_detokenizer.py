@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import gguf
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.loader import default_model as dm
-from engine.loader.gguf_loader import read_gguf_metadata
 from engine.loader.gguf_tokenizer import build_gguf_tokenizer
 from engine.tokenizer import Tokenizer
+from model_helpers import smollm2_gguf_tokenizer  # noqa: E402
 
 TEXTS = ["Hello, world!", "emoji 🎉👍🏽🇫🇷 and CJK 世界你好, ünïcödé", "日本語のテキスト🙂🙃",
          "code:\n    x = [1, 2, 3]  # ✓\n", "👨‍👩‍👧‍👦 family", " leading space", "é" * 7]
@@ -19,11 +17,7 @@ TEXTS = ["Hello, world!", "emoji 🎉👍🏽🇫🇷 and CJK 世界你好, ün�
 
 @pytest.fixture(scope="module")
 def smol() -> Tokenizer:
-    try:
-        path = dm.default_model_path()
-    except RuntimeError as exc:
-        pytest.skip(f"default model unavailable: {exc}")
-    return Tokenizer.from_gguf_metadata(read_gguf_metadata(gguf.GGUFReader(path)))
+    return smollm2_gguf_tokenizer()
 
 
 @pytest.fixture(scope="module")

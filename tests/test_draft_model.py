@@ -14,26 +14,13 @@ import torch
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from model_helpers import write_tokenizer_files  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 259
 PROMPTS = ["hello world, hello world, hello", "abcabcabcabc", "The quick brown fox",
            "x" * 40 + " then some more text to make this prompt a good deal longer than the others"]
-
-
-def write_tokenizer_files(path) -> None:
-    from tokenizers import Tokenizer as HFTok
-    from tokenizers import decoders, models, pre_tokenizers
-
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = HFTok(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<s>", "</s>", "<pad>"])
-    tok.save(os.path.join(path, "tokenizer.json"))
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": "<s>", "eos_token": {"content": "</s>"}}, f)
 
 
 def make_tiny_llama(path, *, layers: int, hidden: int = 64, vocab: int = VOCAB, seed: int = 0,

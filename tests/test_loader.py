@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 
 import gguf
@@ -21,6 +19,7 @@ from engine.loader.gguf_config import llama3_rope_scaling_from_freqs
 from engine.loader.gguf_dequant import dequantize_tensor
 from engine.loader.gguf_loader import gguf_tensor_name_to_hf, unpermute_qk
 from engine.loader.hf_loader import hf_config_to_model_config
+from model_helpers import hf_llama_from_loaded, write_tokenizer_files  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -192,7 +191,7 @@ def test_llama3_rope_freqs_recovered() -> None:
 def test_hf_dir_state_dict_equal(tmp_path, kind: str, tied: bool) -> None:
     model = _tiny_hf_model(kind, tied)
     model.save_pretrained(tmp_path, max_shard_size="100KB")  # several shards + index
-    _write_tokenizer_files(tmp_path)
+    write_tokenizer_files(tmp_path)
     loaded = load_model_files(str(tmp_path))
     ref = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     assert set(loaded.state_dict) == set(ref)
@@ -204,21 +203,6 @@ def test_hf_dir_state_dict_equal(tmp_path, kind: str, tied: bool) -> None:
     assert c.num_key_value_heads == 2 and c.resolved_head_dim == 16
     half = load_model_files(str(tmp_path), dtype=torch.bfloat16)
     assert all(t.dtype == torch.bfloat16 for t in half.state_dict.values())
-
-
-def _write_tokenizer_files(path) -> None:
-    from tokenizers import Tokenizer as HFTok
-    from tokenizers import decoders, models
-
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = HFTok(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<s>", "</s>", "<pad>"])
-    tok.save(os.path.join(path, "tokenizer.json"))
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": "<s>", "eos_token": {"content": "</s>"},
-                   "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"}, f)
 
 
 def test_hf_config_variants() -> None:
@@ -287,17 +271,7 @@ def test_smollm2_config(smollm2: LoadedModel) -> None:
 
 def test_smollm2_greedy_generation_says_paris(smollm2: LoadedModel) -> None:
     """Proves name mapping, dequantization and the q/k un-permute (wrong rows -> gibberish)."""
-    c = smollm2.config
-    hf = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.resolved_head_dim,
-        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=True)
-    model = transformers.LlamaForCausalLM(hf).eval()
-    missing, unexpected = model.load_state_dict(smollm2.state_dict, strict=False)
-    assert set(missing) <= {"lm_head.weight"} and not unexpected
-    model.tie_weights()
+    model = hf_llama_from_loaded(smollm2)
     tok = smollm2.tokenizer
     ids = torch.tensor([tok.encode("The capital of France is")])
     with torch.no_grad():

@@ -23,6 +23,7 @@ from engine import LLM, SamplingParams
 transformers = pytest.importorskip("transformers")
 
 from engine_fixtures import ENGINE_OPTS, _default_model_once, assert_all_blocks_free, reuse_default_weights  # noqa: E402
+from model_helpers import hf_llama_from_loaded  # noqa: E402
 
 
 # ---------------------------------------------------------------- fixtures
@@ -47,17 +48,7 @@ def prompts(llm) -> list[str]:
 @pytest.fixture(scope="module")
 def hf_model():
     base = _default_model_once()
-    c = base.config
-    cfg = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.resolved_head_dim,
-        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=True)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    missing, unexpected = model.load_state_dict(base.state_dict, strict=False)
-    assert set(missing) <= {"lm_head.weight"} and not unexpected
-    model.tie_weights()
+    model = hf_llama_from_loaded(base)
     model.generation_config.eos_token_id = None  # run the full 32 tokens, like ignore_eos
     model.generation_config.pad_token_id = 0
     return model

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import json
 
-import gguf
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTok
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from engine.loader import default_model as dm
-from engine.loader.gguf_loader import read_gguf_metadata
 from engine.loader.gguf_tokenizer import build_gguf_tokenizer
 from engine.tokenizer import Tokenizer
+from model_helpers import smollm2_gguf_tokenizer  # noqa: E402
 
 SAMPLES = ["Hello world! 12345", "héllo wörld — 世界 你好 🎉👍🏽", "def f(x):\n    return x**2  # ok\n",
            "  leading and trailing spaces  ", "tabs\tand\r\nnewlines\n\n", ""]
@@ -85,11 +83,7 @@ def test_hf_dir_template_sources(hf_dir, tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def smol() -> Tokenizer:
-    try:
-        path = dm.default_model_path()
-    except RuntimeError as exc:
-        pytest.skip(f"default model unavailable: {exc}")
-    return Tokenizer.from_gguf_metadata(read_gguf_metadata(gguf.GGUFReader(path)))
+    return smollm2_gguf_tokenizer()
 
 
 def test_smollm2_roundtrip_and_specials(smol: Tokenizer) -> None:

@@ -1,0 +1,56 @@
+"""Small model/tokenizer builders shared by several test files (imported, not a conftest)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+
+def write_tokenizer_files(path) -> None:
+    """A byte-level BPE tokenizer.json (no merges) + tokenizer_config.json with a chat template."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = HFTok(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>", "<pad>"])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": {"content": "</s>"},
+                   "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"}, f)
+
+
+def hf_llama_from_loaded(loaded):
+    """transformers' LlamaForCausalLM carrying a LoadedModel's weights (tied embeddings)."""
+    import transformers
+
+    c = loaded.config
+    hf = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, head_dim=c.resolved_head_dim,
+        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(hf).eval()
+    missing, unexpected = model.load_state_dict(loaded.state_dict, strict=False)
+    assert set(missing) <= {"lm_head.weight"} and not unexpected
+    model.tie_weights()
+    return model
+
+
+def smollm2_gguf_tokenizer():
+    """The default model's tokenizer read from its GGUF metadata (skips when unavailable)."""
+    import gguf
+
+    from engine.loader import default_model as dm
+    from engine.loader.gguf_loader import read_gguf_metadata
+    from engine.tokenizer import Tokenizer
+    try:
+        path = dm.default_model_path()
+    except RuntimeError as exc:
+        pytest.skip(f"default model unavailable: {exc}")
+    return Tokenizer.from_gguf_metadata(read_gguf_metadata(gguf.GGUFReader(path)))
