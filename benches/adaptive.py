@@ -90,10 +90,10 @@ class Bench:
     """One engine, one ``Speculator`` per configuration, swapped in between runs."""
 
     def __init__(self, args) -> None:
-        from engine import LLM
-        from engine.builder import _build_speculator
-        from spec.config import SpeculativeConfig
-        from spec.speculator import Speculator
+        from tokenbudget import LLM
+        from tokenbudget.engine.core.builder import _build_speculator
+        from tokenbudget.spec.config import SpeculativeConfig
+        from tokenbudget.spec.speculator import Speculator
 
         t0 = time.perf_counter()
         self.llm = LLM(num_threads=args.threads, enable_prefix_caching=True,

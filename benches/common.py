@@ -64,7 +64,7 @@ def engine_generate(llm, prompts: Sequence[list[int]], max_tokens: int, ignore_e
     ``ttft_s`` is when every request has its first generated token (for batch 1: time to
     first token).
     """
-    from engine.sampling_params import SamplingParams
+    from tokenbudget.engine.api.sampling_params import SamplingParams
 
     engine = llm.engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos)
@@ -92,7 +92,7 @@ def load_hf_model(threads: int | None = None):
     """transformers ``LlamaForCausalLM`` with the default model's weights (fp32), and its tokenizer."""
     import transformers
 
-    from engine.loader import load_model_files
+    from tokenbudget.engine.loader import load_model_files
 
     if threads:
         torch.set_num_threads(threads)

@@ -41,7 +41,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--markdown", action="store_true", help="write '## CPU decode' into benches/RESULTS.md")
     args = ap.parse_args(argv)
 
-    from engine import LLM
+    from tokenbudget import LLM
 
     torch.set_num_threads(args.threads)
     llm = LLM(num_threads=args.threads, enable_prefix_caching=False)

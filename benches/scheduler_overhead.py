@@ -30,10 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scheduler.config import SchedulerConfig  # noqa: E402
-from scheduler.output import ModelRunnerOutput  # noqa: E402
-from scheduler.request import Request  # noqa: E402
-from scheduler.scheduler import Scheduler  # noqa: E402
+from tokenbudget.scheduler.config import SchedulerConfig  # noqa: E402
+from tokenbudget.scheduler.output import ModelRunnerOutput  # noqa: E402
+from tokenbudget.scheduler.request import Request  # noqa: E402
+from tokenbudget.scheduler.scheduler import Scheduler  # noqa: E402
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 8192

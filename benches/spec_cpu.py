@@ -80,8 +80,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--figures", action="store_true", help="write PNGs into benches/figures/")
     args = ap.parse_args(argv)
 
-    from engine import LLM
-    from spec.metrics import SpecDecodingStats
+    from tokenbudget import LLM
+    from tokenbudget.spec.metrics import SpecDecodingStats
 
     torch.set_num_threads(args.threads)
     common = dict(num_threads=args.threads, max_model_len=args.max_prompt_tokens + args.max_new_tokens + 64,
@@ -175,7 +175,7 @@ def _tok_s(gs: list[GenTiming]) -> float:
 
 
 def _summarise(args, prompts, labels, timings, stats, profiles, mismatches) -> dict:
-    from spec.metrics import SpecDecodingStats
+    from tokenbudget.spec.metrics import SpecDecodingStats
 
     cats = list(dict.fromkeys(p.category for p in prompts))
     spec_labels = [lab for lab in labels if lab not in (BASE, HF_PLD)]

@@ -22,19 +22,19 @@ from typing import Sequence
 
 import torch
 
-from engine.kv_cache_alloc import allocate_kv_caches, num_blocks_for_budget
-from engine.model import build_model
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
-from engine.prompts import make_request
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from scheduler.config import SchedulerConfig
-from scheduler.output import EngineCoreOutput
-from scheduler.scheduler import Scheduler
-from spec.config import SpeculativeConfig
-from spec.proposer import BaseProposer
-from spec.speculator import Speculator
+from tokenbudget.engine.worker.kv_cache_alloc import allocate_kv_caches, num_blocks_for_budget
+from tokenbudget.engine.model import build_model
+from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.engine.worker.model_runner import ModelRunner
+from tokenbudget.engine.core.prompts import make_request
+from tokenbudget.engine.worker.sampler import Sampler
+from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.scheduler.config import SchedulerConfig
+from tokenbudget.scheduler.output import EngineCoreOutput
+from tokenbudget.scheduler.scheduler import Scheduler
+from tokenbudget.spec.config import SpeculativeConfig
+from tokenbudget.spec.proposer import BaseProposer
+from tokenbudget.spec.speculator import Speculator
 
 _COMMON = dict(architecture="llama", rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192)
 

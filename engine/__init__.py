@@ -1,22 +1,9 @@
-"""tokenbudget's public API: LLM (offline), LLMEngine (step loop), AsyncLLM (servers)."""
+"""The engine: ``api/`` what users hold, ``core/`` the step loop and request life cycle,
+``worker/`` what runs on the device, ``loader/`` model files, ``model/`` model code,
+``text/`` tokenizer and detokenizer, ``cli/`` the console script.
 
-from engine.config import EngineConfig
-from engine.outputs import CompletionOutput, GenerateRequest, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
+Installed as ``tokenbudget.engine``; the public names are re-exported by ``tokenbudget``.
+"""
 
-
-def __getattr__(name: str):  # heavy imports (torch, model code) only when asked for
-    if name == "LLM":
-        from engine.llm import LLM
-        return LLM
-    if name == "LLMEngine":
-        from engine.llm_engine import LLMEngine
-        return LLMEngine
-    if name == "AsyncLLM":
-        from engine.async_llm import AsyncLLM
-        return AsyncLLM
-    raise AttributeError(name)
-
-
-__all__ = ["AsyncLLM", "CompletionOutput", "EngineConfig", "GenerateRequest", "LLM", "LLMEngine",
-           "RequestMetrics", "RequestOutput", "SamplingParams"]
+if __name__ != "tokenbudget.engine":  # a second copy of every module would be loaded
+    raise ImportError("this folder installs as tokenbudget.engine: `import tokenbudget` instead")

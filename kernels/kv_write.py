@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from kernels.triton_utils import next_power_of_2, triton_runnable_on
+from tokenbudget.kernels.triton_utils import next_power_of_2, triton_runnable_on
 
 
 def _check_args(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -27,8 +27,8 @@ import functools
 
 import torch
 
-from kernels.triton_utils import triton_runnable_on
-from spec.rejection_sampler import (
+from tokenbudget.kernels.triton_utils import triton_runnable_on
+from tokenbudget.spec.rejection_sampler import (
     PLACEHOLDER_TOKEN_ID,
     rejection_sample_reference,
     request_offsets,

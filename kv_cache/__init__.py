@@ -1,6 +1,9 @@
 """Paged KV-cache bookkeeping: a block pool with prefix caching and a per-request manager."""
 
-from kv_cache.block_pool import BlockPool, KVBlock
-from kv_cache.manager import KVCacheManager, KVCacheUsage
+if __name__ != "tokenbudget.kv_cache":  # a second copy of every module would be loaded
+    raise ImportError("this folder installs as tokenbudget.kv_cache: `import tokenbudget` instead")
+
+from tokenbudget.kv_cache.block_pool import BlockPool, KVBlock
+from tokenbudget.kv_cache.manager import KVCacheManager, KVCacheUsage
 
 __all__ = ["BlockPool", "KVBlock", "KVCacheManager", "KVCacheUsage"]

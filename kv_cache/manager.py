@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kv_cache.block_pool import BlockPool, KVBlock
-from kv_cache.hashing import extend_block_hashes
+from tokenbudget.kv_cache.block_pool import BlockPool, KVBlock
+from tokenbudget.kv_cache.hashing import extend_block_hashes
 
 
 @dataclass(slots=True)

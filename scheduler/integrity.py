@@ -5,7 +5,7 @@ Called by tests and the fuzzer after every operation; cheap enough for that, not
 
 from __future__ import annotations
 
-from scheduler.request import RequestStatus
+from tokenbudget.scheduler.request import RequestStatus
 
 
 def check_scheduler_integrity(sched) -> None:

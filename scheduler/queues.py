@@ -11,7 +11,7 @@ import heapq
 from collections import deque
 from typing import Iterator
 
-from scheduler.request import Request
+from tokenbudget.scheduler.request import Request
 
 
 class FCFSQueue:

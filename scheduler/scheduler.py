@@ -14,14 +14,14 @@ from bisect import insort
 from operator import attrgetter
 from typing import Iterable, Mapping
 
-from kv_cache.manager import KVCacheManager
-from scheduler.config import SchedulerConfig
-from scheduler.integrity import check_scheduler_integrity
-from scheduler.output import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from scheduler.queues import make_queue
-from scheduler.request import Request, RequestStatus
-from scheduler.stop import append_and_check_stop
-from scheduler.validation import validate_new_request
+from tokenbudget.kv_cache.manager import KVCacheManager
+from tokenbudget.scheduler.config import SchedulerConfig
+from tokenbudget.scheduler.integrity import check_scheduler_integrity
+from tokenbudget.scheduler.output import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenbudget.scheduler.queues import make_queue
+from tokenbudget.scheduler.request import Request, RequestStatus
+from tokenbudget.scheduler.stop import append_and_check_stop
+from tokenbudget.scheduler.validation import validate_new_request
 
 RUNNING = RequestStatus.RUNNING
 

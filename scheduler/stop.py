@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler.request import Request, RequestStatus
+from tokenbudget.scheduler.request import Request, RequestStatus
 
 
 def append_and_check_stop(request: Request, tokens: list[int], max_model_len: int) -> int:

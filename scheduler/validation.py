@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from scheduler.config import SchedulerConfig
-from scheduler.request import Request
+from tokenbudget.scheduler.config import SchedulerConfig
+from tokenbudget.scheduler.request import Request
 
 
 def validate_new_request(request: Request, config: SchedulerConfig, known: Mapping[str, Request], kv) -> None:

@@ -75,9 +75,9 @@ from typing import Any
 
 import numpy as np
 
-from scheduler.request import Request
-from spec.acceptance import AcceptanceEstimator
-from spec.cost_model import StepCostModel
+from tokenbudget.scheduler.request import Request
+from tokenbudget.spec.acceptance import AcceptanceEstimator
+from tokenbudget.spec.cost_model import StepCostModel
 
 CostFn = Callable[[np.ndarray], np.ndarray]
 

@@ -57,10 +57,10 @@ from typing import Sequence
 
 import torch
 
-from engine.sampler import compute_target_probs
-from scheduler.request import Request
-from spec.draft_runner import DraftRunner
-from spec.proposer import BaseProposer, draft_limit
+from tokenbudget.engine.worker.sampler import compute_target_probs
+from tokenbudget.scheduler.request import Request
+from tokenbudget.spec.draft_runner import DraftRunner
+from tokenbudget.spec.proposer import BaseProposer, draft_limit
 
 _SEED_SALT = 0x5EED_D8AF7  # drafter stream != the target sampler's stream for the same seed
 
@@ -215,8 +215,8 @@ def _is_greedy(request: Request) -> bool:
 
 
 def _load_draft_model(path: str, target_config, max_model_len: int, common) -> DraftRunner:
-    from engine.loader import load_model_files
-    from engine.model import build_model
+    from tokenbudget.engine.loader import load_model_files
+    from tokenbudget.engine.model import build_model
 
     num_blocks, block_size, dtype, device = common
     loaded = load_model_files(path, dtype=dtype)

@@ -27,12 +27,12 @@ import copy
 import msgspec
 import torch
 
-from engine.input_batch import prepare_inputs
-from engine.kv_cache_alloc import allocate_kv_caches
-from engine.model_config import ModelConfig
-from kernels.attention.base import AttentionSpec
-from kernels.attention.selector import select_attention_backend
-from scheduler.output import ScheduledRequest, SchedulerOutput
+from tokenbudget.engine.worker.input_batch import prepare_inputs
+from tokenbudget.engine.worker.kv_cache_alloc import allocate_kv_caches
+from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.kernels.attention.base import AttentionSpec
+from tokenbudget.kernels.attention.selector import select_attention_backend
+from tokenbudget.scheduler.output import ScheduledRequest, SchedulerOutput
 
 
 def truncated_view(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:

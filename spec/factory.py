@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from spec.config import SpeculativeConfig
+from tokenbudget.spec.config import SpeculativeConfig
 
 
 def build_proposer(config: SpeculativeConfig, max_model_len: int, target=None):
     """``target`` (the engine's loaded target: model, config, runner) is needed by model drafters."""
     if config.method == "ngram":
-        from spec.ngram import NgramProposer
+        from tokenbudget.spec.ngram import NgramProposer
         return NgramProposer.from_config(config, max_model_len)
     if config.method == "suffix":
-        from spec.suffix import SuffixProposer
+        from tokenbudget.spec.suffix import SuffixProposer
         return SuffixProposer.from_config(config, max_model_len)
     if config.method in ("draft_model", "self_draft"):
-        from spec.draft_model import DraftModelProposer
+        from tokenbudget.spec.draft_model import DraftModelProposer
         return DraftModelProposer.from_config(config, max_model_len, target)
     raise ValueError(f"speculative_config['method'] {config.method!r} is not supported")
 
@@ -22,5 +22,5 @@ def build_proposer(config: SpeculativeConfig, max_model_len: int, target=None):
 def build_controller(config: SpeculativeConfig, cost_model=None):
     if not config.is_adaptive:
         return None
-    from spec.adaptive import AdaptiveSpecController
+    from tokenbudget.spec.adaptive import AdaptiveSpecController
     return AdaptiveSpecController.from_config(config, cost_model=cost_model)

@@ -42,8 +42,8 @@ from typing import Literal, Sequence
 
 import numpy as np
 
-from scheduler.request import Request
-from spec.proposer import BaseProposer, draft_limit
+from tokenbudget.scheduler.request import Request
+from tokenbudget.spec.proposer import BaseProposer, draft_limit
 
 Prefer = Literal["recent", "earliest"]
 

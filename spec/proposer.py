@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence, runtime_checkable
 
-from scheduler.request import Request
+from tokenbudget.scheduler.request import Request
 
 
 @runtime_checkable

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from scheduler.output import EngineCoreOutput
-from spec.config import SpeculativeConfig
-from spec.metrics import SpecDecodingStats
-from spec.proposer import draft_limit
+from tokenbudget.scheduler.output import EngineCoreOutput
+from tokenbudget.spec.config import SpeculativeConfig
+from tokenbudget.spec.metrics import SpecDecodingStats
+from tokenbudget.spec.proposer import draft_limit
 
 
 class Speculator:

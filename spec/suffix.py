@@ -43,8 +43,8 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from scheduler.request import Request
-from spec.proposer import BaseProposer, draft_limit
+from tokenbudget.scheduler.request import Request
+from tokenbudget.spec.proposer import BaseProposer, draft_limit
 
 Bigram = tuple[int, int]
 

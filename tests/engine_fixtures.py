@@ -22,7 +22,7 @@ def _default_model_once():
     The builder clears the state-dict it is handed, so each engine gets a fresh dict of the same
     (never mutated) tensors.
     """
-    import engine.loader as loader
+    import tokenbudget.engine.loader as loader
     cached = getattr(loader, "_tests_default_fp32", None)
     if cached is None:
         try:
@@ -35,8 +35,8 @@ def _default_model_once():
 
 @contextlib.contextmanager
 def reuse_default_weights():
-    import engine.builder as builder
-    from engine.loader import LoadedModel
+    import tokenbudget.engine.core.builder as builder
+    from tokenbudget.engine.loader import LoadedModel
     real = builder.load_model_files
     base = _default_model_once()
 

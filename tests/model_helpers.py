@@ -46,9 +46,9 @@ def smollm2_gguf_tokenizer():
     """The default model's tokenizer read from its GGUF metadata (skips when unavailable)."""
     import gguf
 
-    from engine.loader import default_model as dm
-    from engine.loader.gguf_loader import read_gguf_metadata
-    from engine.tokenizer import Tokenizer
+    from tokenbudget.engine.loader import default_model as dm
+    from tokenbudget.engine.loader.gguf_loader import read_gguf_metadata
+    from tokenbudget.engine.text.tokenizer import Tokenizer
     try:
         path = dm.default_model_path()
     except RuntimeError as exc:

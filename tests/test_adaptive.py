@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.request import Request
-from spec.acceptance import AcceptanceEstimator
-from spec.adaptive import AdaptiveSpecController, expected_tokens, optimal_draft_lengths
-from spec.config import SpeculativeConfig
-from spec.cost_model import StepCostModel
+from tokenbudget.scheduler.request import Request
+from tokenbudget.spec.acceptance import AcceptanceEstimator
+from tokenbudget.spec.adaptive import AdaptiveSpecController, expected_tokens, optimal_draft_lengths
+from tokenbudget.spec.config import SpeculativeConfig
+from tokenbudget.spec.cost_model import StepCostModel
 
 
 def _e(row, k):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from tokenbudget import LLM, SamplingParams
 from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, reuse_default_weights
 
 EDIT = ("Rewrite this function so it skips negative numbers:\n```python\ndef total(xs):\n"

@@ -12,8 +12,8 @@ import itertools
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.async_llm import AsyncLLM
+from tokenbudget import LLM, SamplingParams
+from tokenbudget.engine.api.async_llm import AsyncLLM
 
 from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, reuse_default_weights  # noqa: E402
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.config import SchedulerConfig
-from scheduler.request import Request
-from scheduler.testing.fake_model import FakeModelSpec
-from scheduler.testing.harness import Harness
+from tokenbudget.scheduler.config import SchedulerConfig
+from tokenbudget.scheduler.request import Request
+from tokenbudget.scheduler.testing.fake_model import FakeModelSpec
+from tokenbudget.scheduler.testing.harness import Harness
 
 CFG = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=3, max_model_len=64, block_size=4,
                       num_blocks=24, enable_prefix_caching=True)

@@ -20,12 +20,12 @@ import random
 import pytest
 import torch
 
-from engine.kv_cache_alloc import allocate_kv_caches
-from engine.model import build_model
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
-from scheduler.output import ScheduledRequest, SchedulerOutput
-from scheduler.request import Request
+from tokenbudget.engine.worker.kv_cache_alloc import allocate_kv_caches
+from tokenbudget.engine.model import build_model
+from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.engine.worker.model_runner import ModelRunner
+from tokenbudget.scheduler.output import ScheduledRequest, SchedulerOutput
+from tokenbudget.scheduler.request import Request
 
 CFG = ModelConfig(vocab_size=101, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024,

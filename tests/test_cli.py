@@ -1,6 +1,6 @@
 """``tokenbudget generate`` through ``engine.cli.main``: JSONL batch, streamed prompt, errors.
 
-To keep this file fast, ``engine.llm.LLM`` is replaced (for these tests only) by a factory that
+To keep this file fast, ``llm_module.LLM`` is replaced (for these tests only) by a factory that
 builds one engine per distinct set of options, reuses it across CLI calls, and gives it a small
 KV pool; everything the CLI does with it is the real thing.
 """
@@ -12,9 +12,9 @@ import json
 import msgspec
 import pytest
 
-import engine.llm
-from engine.cli import main
-from engine.outputs import RequestOutput
+import tokenbudget.engine.api.llm as llm_module
+from tokenbudget.engine.cli.main import main
+from tokenbudget.engine.api.outputs import RequestOutput
 
 from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, reuse_default_weights  # noqa: E402
 
@@ -26,7 +26,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):",
 
 @pytest.fixture(scope="module")
 def engines():
-    real = engine.llm.LLM
+    real = llm_module.LLM
     built: dict[str, object] = {}
 
     def factory(model=None, **options):
@@ -38,7 +38,7 @@ def engines():
         return built[key]
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(engine.llm, "LLM", factory)
+        mp.setattr(llm_module, "LLM", factory)
         yield built
 
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spec.cost_model import (StepCostModel, default_grid, isotonic_non_decreasing,
+from tokenbudget.spec.cost_model import (StepCostModel, default_grid, isotonic_non_decreasing,
                              measure_step_costs)
 
 

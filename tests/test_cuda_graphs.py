@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.base import AttentionSpec
-from kernels.triton_utils import HAS_TRITON
+from tokenbudget.kernels.attention.base import AttentionSpec
+from tokenbudget.kernels.triton_utils import HAS_TRITON
 
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 pytestmark = [
@@ -76,8 +76,8 @@ def _step(q_lens, kv_lens, seed):
 
 @pytest.fixture(scope="module")
 def setup():
-    from engine.cuda_graphs import CUDAGraphRunner
-    from kernels.attention.flashinfer_backend import FlashInferBackend
+    from tokenbudget.engine.worker.cuda_graphs import CUDAGraphRunner
+    from tokenbudget.kernels.attention.flashinfer_backend import FlashInferBackend
 
     dev = torch.device("cuda")
     model = ToyModel(dev)

@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from tokenbudget.engine.api.llm import LLM
+from tokenbudget.engine.api.sampling_params import SamplingParams
 from model_helpers import write_tokenizer_files  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
@@ -126,7 +126,7 @@ def test_self_draft_shares_weights_and_matches_first_layers(tiny_dirs) -> None:
     assert len(runner.kv_caches) == 2
     assert runner.kv_caches[0].shape == llm.engine.runner.kv_caches[0].shape
     # The view's forward == the target's first two layers + final norm (dense reference).
-    from engine.model.layers import rms_norm
+    from tokenbudget.engine.model.layers import rms_norm
     ids = torch.tensor([5, 17, 99, 3, 200])
     chunk = runner.chunk(_FakeReq(), 0, ids.tolist(), [0], True)
     logits = runner.forward([chunk])

@@ -13,10 +13,10 @@ import math
 import msgspec
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import GenerateRequest, RequestOutput
+from tokenbudget import LLM, SamplingParams
+from tokenbudget.engine.api.config import EngineConfig
+from tokenbudget.engine.api.llm_engine import LLMEngine
+from tokenbudget.engine.api.outputs import GenerateRequest, RequestOutput
 
 from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, reuse_default_weights  # noqa: E402
 

@@ -12,9 +12,9 @@ import importlib.util
 import pytest
 import torch
 
-from kernels.attention.base import AttentionSpec
-from kernels.attention.flashinfer_backend import build_page_table
-from kernels.kv_write import write_kv_reference
+from tokenbudget.kernels.attention.base import AttentionSpec
+from tokenbudget.kernels.attention.flashinfer_backend import build_page_table
+from tokenbudget.kernels.kv_write import write_kv_reference
 
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -31,7 +31,7 @@ def test_build_page_table_csr():
 
 
 def test_backend_refuses_cpu():
-    from kernels.attention.flashinfer_backend import FlashInferBackend
+    from tokenbudget.kernels.attention.flashinfer_backend import FlashInferBackend
     with pytest.raises(ValueError, match="CUDA"):
         FlashInferBackend(AttentionSpec(4, 2, 64, 16), "cpu")
 
@@ -87,8 +87,8 @@ BATCHES = {
 @needs_cuda
 @needs_flashinfer
 def test_flashinfer_matches_torch_ref(name, use_decode_kernel):
-    from kernels.attention.flashinfer_backend import FlashInferBackend
-    from kernels.attention.torch_ref import TorchRefBackend
+    from tokenbudget.kernels.attention.flashinfer_backend import FlashInferBackend
+    from tokenbudget.kernels.attention.torch_ref import TorchRefBackend
 
     args = _batch(*BATCHES[name], seed=len(name), device="cuda")
     fi = FlashInferBackend(SPEC, "cuda", use_decode_kernel=use_decode_kernel)
@@ -104,7 +104,7 @@ def test_flashinfer_matches_torch_ref(name, use_decode_kernel):
 @needs_cuda
 @needs_flashinfer
 def test_flashinfer_graph_state_matches_eager():
-    from kernels.attention.flashinfer_backend import FlashInferBackend
+    from tokenbudget.kernels.attention.flashinfer_backend import FlashInferBackend
 
     fi = FlashInferBackend(SPEC, "cuda")
     for q_len, kv_lens in ((1, [5, 40, 17]), (3, [3, 40, 26])):

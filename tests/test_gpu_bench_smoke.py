@@ -13,7 +13,7 @@ import torch
 
 from benches import gpu_spec
 from benches.synthetic_model import SHAPES, OracleProposer, build_synthetic_engine, param_count
-from engine.sampling_params import SamplingParams
+from tokenbudget.engine.api.sampling_params import SamplingParams
 
 
 def test_shapes_are_realistic():

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kv_cache.block_pool import BlockPool
-from kv_cache.manager import KVCacheManager
+from tokenbudget.kv_cache.block_pool import BlockPool
+from tokenbudget.kv_cache.manager import KVCacheManager
 
 
 @dataclass

@@ -14,12 +14,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from engine.kv_cache_alloc import allocate_kv_caches  # noqa: E402
-from engine.model import build_model  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
-from scheduler.output import ScheduledRequest, SchedulerOutput  # noqa: E402
-from scheduler.request import Request  # noqa: E402
+from tokenbudget.engine.worker.kv_cache_alloc import allocate_kv_caches  # noqa: E402
+from tokenbudget.engine.model import build_model  # noqa: E402
+from tokenbudget.engine.model.config import ModelConfig  # noqa: E402
+from tokenbudget.engine.worker.model_runner import ModelRunner  # noqa: E402
+from tokenbudget.scheduler.output import ScheduledRequest, SchedulerOutput  # noqa: E402
+from tokenbudget.scheduler.request import Request  # noqa: E402
 
 BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -70,7 +70,7 @@ class GreedyStandIn:
     """Greedy stand-in for the sampler (tests only): argmax of each request's last row."""
 
     def __call__(self, logits, rows):
-        from engine.sampler import SamplerOutput
+        from tokenbudget.engine.worker.sampler import SamplerOutput
         out, r = [], 0
         for row in rows:
             k = row.num_drafts

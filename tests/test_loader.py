@@ -13,12 +13,12 @@ from gguf.quants import dequantize as np_dequantize
 from gguf.quants import quantize as np_quantize
 from tokenizers import pre_tokenizers
 
-from engine.loader import LoadedModel, load_model_files
-from engine.loader import default_model as dm
-from engine.loader.gguf_config import llama3_rope_scaling_from_freqs
-from engine.loader.gguf_dequant import dequantize_tensor
-from engine.loader.gguf_loader import gguf_tensor_name_to_hf, unpermute_qk
-from engine.loader.hf_loader import hf_config_to_model_config
+from tokenbudget.engine.loader import LoadedModel, load_model_files
+from tokenbudget.engine.loader import default_model as dm
+from tokenbudget.engine.loader.gguf_config import llama3_rope_scaling_from_freqs
+from tokenbudget.engine.loader.gguf_dequant import dequantize_tensor
+from tokenbudget.engine.loader.gguf_loader import gguf_tensor_name_to_hf, unpermute_qk
+from tokenbudget.engine.loader.hf_loader import hf_config_to_model_config
 from model_helpers import hf_llama_from_loaded, write_tokenizer_files  # noqa: E402
 
 transformers = pytest.importorskip("transformers")

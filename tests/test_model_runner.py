@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_cache_alloc import allocate_kv_caches, num_blocks_for_budget
-from engine.model import build_model
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
-from engine.sampler import SamplerOutput
-from engine.sampling_params import SamplingParams
-from scheduler.output import ScheduledRequest, SchedulerOutput
-from scheduler.request import Request
+from tokenbudget.engine.worker.kv_cache_alloc import allocate_kv_caches, num_blocks_for_budget
+from tokenbudget.engine.model import build_model
+from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.engine.worker.model_runner import ModelRunner
+from tokenbudget.engine.worker.sampler import SamplerOutput
+from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.scheduler.output import ScheduledRequest, SchedulerOutput
+from tokenbudget.scheduler.request import Request
 
 CFG = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

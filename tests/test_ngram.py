@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.request import Request
-from spec.ngram import NgramIndex, NgramProposer, ngram_propose_reference
-from spec.proposer import clip_drafts, draft_limit, propose_clipped
+from tokenbudget.scheduler.request import Request
+from tokenbudget.spec.ngram import NgramIndex, NgramProposer, ngram_propose_reference
+from tokenbudget.spec.proposer import clip_drafts, draft_limit, propose_clipped
 
 
 def _req(tokens, prompt_len=None, max_tokens=1000, rid="r"):

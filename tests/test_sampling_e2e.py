@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from tokenbudget import LLM, SamplingParams
 
 from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, reuse_default_weights  # noqa: E402
 

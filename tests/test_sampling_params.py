@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from engine.sampling_params import SamplingParams
+from tokenbudget.engine.api.sampling_params import SamplingParams
 
 BAD_VALUES = [
     ("n", 2),

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.config import SchedulerConfig
-from scheduler.testing.fake_model import FakeModelSpec
-from scheduler.testing.harness import Harness, check_schedule_output
+from tokenbudget.scheduler.config import SchedulerConfig
+from tokenbudget.scheduler.testing.fake_model import FakeModelSpec
+from tokenbudget.scheduler.testing.harness import Harness, check_schedule_output
 
 SPEC = FakeModelSpec()
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from tokenbudget import LLM, SamplingParams
 
 transformers = pytest.importorskip("transformers")
 

@@ -19,9 +19,9 @@ import time
 
 import pytest
 
-from scheduler.config import SchedulerConfig
-from scheduler.testing.fake_model import FakeModelSpec
-from scheduler.testing.harness import Harness
+from tokenbudget.scheduler.config import SchedulerConfig
+from tokenbudget.scheduler.testing.fake_model import FakeModelSpec
+from tokenbudget.scheduler.testing.harness import Harness
 
 NUM_REQUESTS = 3000
 CONFIGS = {

@@ -18,8 +18,8 @@ import os
 import pytest
 import torch
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from tokenbudget.engine.api.llm import LLM
+from tokenbudget.engine.api.sampling_params import SamplingParams
 from test_draft_model import make_tiny_llama, make_truncated_copy
 
 transformers = pytest.importorskip("transformers")
@@ -67,7 +67,7 @@ TINY_SPECS = {
 
 def _drafter_kv_share(tiny, method: str) -> float:
     """A model drafter's KV per block relative to the target's: the KV budget pays for both."""
-    from engine.loader.kv_shape import kv_elements_per_token
+    from tokenbudget.engine.loader.kv_shape import kv_elements_per_token
     target = kv_elements_per_token(tiny["target"])
     if method == "draft_model":
         return kv_elements_per_token(tiny["draft"]) / target
@@ -134,7 +134,7 @@ SMOL_SPECS = {
 
 @pytest.fixture(scope="module")
 def smol():
-    from engine.loader import default_model as dm
+    from tokenbudget.engine.loader import default_model as dm
     try:
         dm.default_model_path()
     except RuntimeError as exc:

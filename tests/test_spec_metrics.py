@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from spec.metrics import SpecDecodingStats
+from tokenbudget.spec.metrics import SpecDecodingStats
 
 
 def test_empty():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from scheduler.request import Request
-from spec.suffix import SuffixProposer
+from tokenbudget.scheduler.request import Request
+from tokenbudget.spec.suffix import SuffixProposer
 
 
 def _req(rid, prompt, output=(), max_tokens=1000):

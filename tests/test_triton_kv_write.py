@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_write import write_kv, write_kv_reference
+from tokenbudget.kernels.kv_write import write_kv, write_kv_reference
 
 from triton_interp import needs_cuda, needs_triton, run_interpreted  # noqa: E402
 
@@ -46,7 +46,7 @@ _CASES = [
 
 
 def _check_kv_write(device: str) -> None:
-    from kernels.kv_write import write_kv_triton
+    from tokenbudget.kernels.kv_write import write_kv_triton
 
     for seed, case in enumerate(_CASES):
         k, v, cache, slots = _case(seed, device, *case)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rejection_triton import rejection_sample
-from spec.rejection_sampler import rejection_sample_reference
+from tokenbudget.kernels.rejection_triton import rejection_sample
+from tokenbudget.spec.rejection_sampler import rejection_sample_reference
 
 from triton_interp import needs_cuda, needs_triton, run_interpreted  # noqa: E402
 
@@ -72,7 +72,7 @@ _CONFIGS = [
 
 
 def _check_rejection(device: str) -> None:
-    from kernels.rejection_triton import rejection_sample_triton
+    from tokenbudget.kernels.rejection_triton import rejection_sample_triton
 
     for cfg in _CONFIGS:
         seed, reqs, vocab, max_k, with_dp, gfrac = cfg

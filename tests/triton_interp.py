@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.triton_utils import HAS_TRITON, triton_interpret_enabled
+from tokenbudget.kernels.triton_utils import HAS_TRITON, triton_interpret_enabled
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

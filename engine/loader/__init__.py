@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.loader.default_model import default_model_path
-from engine.model_config import ModelConfig
-from engine.tokenizer import Tokenizer
+from tokenbudget.engine.loader.default_model import default_model_path
+from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.engine.text.tokenizer import Tokenizer
 
 __all__ = ["LoadedModel", "load_model_files", "default_model_path"]
 
@@ -43,13 +43,13 @@ def load_model_files(model: str | os.PathLike[str] | None,
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     path = default_model_path() if model is None else os.path.expanduser(os.fspath(model))
     if os.path.isdir(path):
-        from engine.loader.hf_loader import load_hf_dir
+        from tokenbudget.engine.loader.hf_loader import load_hf_dir
 
         config, state_dict, tokenizer = load_hf_dir(path, dtype)
     elif os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ValueError(f"model file {path!r} is not a .gguf file; pass a .gguf file or an HF directory")
-        from engine.loader.gguf_loader import load_gguf
+        from tokenbudget.engine.loader.gguf_loader import load_gguf
 
         config, state_dict, tokenizer = load_gguf(path, dtype)
     else:

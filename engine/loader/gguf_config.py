@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from engine.model_config import ModelConfig
+from tokenbudget.engine.model.config import ModelConfig
 
 __all__ = ["SUPPORTED_GGUF_ARCHS", "gguf_metadata_to_config", "llama3_rope_scaling_from_freqs"]
 

@@ -25,7 +25,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.tokenizer import Tokenizer
+from tokenbudget.engine.text.tokenizer import Tokenizer
 
 __all__ = ["build_gguf_tokenizer"]
 

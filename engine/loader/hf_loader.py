@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from engine.model_config import ModelConfig
-from engine.tokenizer import Tokenizer
+from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.engine.text.tokenizer import Tokenizer
 
 __all__ = ["SUPPORTED_HF_ARCHS", "hf_config_to_model_config", "load_safetensors_dir", "load_hf_dir"]
 

@@ -20,7 +20,7 @@ def kv_elements_per_token(model: str) -> int:
         return cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim
     from gguf import GGUFReader
 
-    from engine.loader.gguf_loader import read_gguf_metadata
+    from tokenbudget.engine.loader.gguf_loader import read_gguf_metadata
     meta = read_gguf_metadata(GGUFReader(model))
     arch = meta["general.architecture"]
     heads = int(meta[f"{arch}.attention.head_count"])

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.llama import LlamaForCausalLM
-from engine.model_config import ModelConfig
+from tokenbudget.engine.model.llama import LlamaForCausalLM
+from tokenbudget.engine.model.config import ModelConfig
 
 _ARCHS = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM}
 

@@ -46,10 +46,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.model.layers import Linear, pad_rows, rms_norm, swiglu
-from engine.model.rope import RotaryTable
-from engine.model_config import ModelConfig
-from kernels.attention.base import AttentionMetadata
+from tokenbudget.engine.model.layers import Linear, pad_rows, rms_norm, swiglu
+from tokenbudget.engine.model.rope import RotaryTable
+from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.kernels.attention.base import AttentionMetadata
 
 
 @dataclass(slots=True)

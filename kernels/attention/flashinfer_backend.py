@@ -43,13 +43,13 @@ from typing import Any
 
 import torch
 
-from kernels.attention.base import (
+from tokenbudget.kernels.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     AttentionSpec,
     check_metadata_inputs,
 )
-from kernels.kv_write import write_kv as _write_kv
+from tokenbudget.kernels.kv_write import write_kv as _write_kv
 
 DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
 

@@ -15,8 +15,8 @@ import os
 
 import torch
 
-from kernels.attention.base import AttentionBackend, AttentionSpec
-from kernels.attention.torch_ref import TorchRefBackend
+from tokenbudget.kernels.attention.base import AttentionBackend, AttentionSpec
+from tokenbudget.kernels.attention.torch_ref import TorchRefBackend
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ def _flashinfer_backend_cls():
     if importlib.util.find_spec("flashinfer") is None:
         return None, "flashinfer is not installed"
     try:
-        mod = importlib.import_module("kernels.attention.flashinfer_backend")
+        mod = importlib.import_module("tokenbudget.kernels.attention.flashinfer_backend")
     except ImportError as e:  # module not written yet, or flashinfer fails to import
         return None, f"flashinfer backend unavailable ({e})"
     return getattr(mod, "FlashInferBackend"), ""

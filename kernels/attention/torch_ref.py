@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention.base import (
+from tokenbudget.kernels.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     check_metadata_inputs,

@@ -12,8 +12,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from scheduler.output import ModelRunnerOutput, SchedulerOutput
-from scheduler.request import Request
+from tokenbudget.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from tokenbudget.scheduler.request import Request
 
 MASK = (1 << 64) - 1
 SEED_STATE = 0x9E3779B97F4A7C15

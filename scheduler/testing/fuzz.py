@@ -34,8 +34,8 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
-from scheduler.config import SchedulerConfig
-from scheduler.testing.state_machine import machine_for
+from tokenbudget.scheduler.config import SchedulerConfig
+from tokenbudget.scheduler.testing.state_machine import machine_for
 
 _BLOB_RE = re.compile(r"@reproduce_failure\((['\"])([^'\"]+)\1,\s*(b(['\"])[^'\"]*\4)\)")
 

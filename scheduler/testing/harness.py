@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import random
 
-from scheduler.config import SchedulerConfig
-from scheduler.request import Request
-from scheduler.scheduler import Scheduler
-from scheduler.testing.fake_model import FakeDrafter, FakeModelRunner, FakeModelSpec, reference_generate
+from tokenbudget.scheduler.config import SchedulerConfig
+from tokenbudget.scheduler.request import Request
+from tokenbudget.scheduler.scheduler import Scheduler
+from tokenbudget.scheduler.testing.fake_model import FakeDrafter, FakeModelRunner, FakeModelSpec, reference_generate
 
 
 class Harness:

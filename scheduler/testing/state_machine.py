@@ -11,10 +11,10 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from scheduler.config import SchedulerConfig
-from scheduler.testing.fake_model import FakeModelSpec
-from scheduler.testing.harness import Harness
-from scheduler.testing.strategies import request_specs, scheduler_configs
+from tokenbudget.scheduler.config import SchedulerConfig
+from tokenbudget.scheduler.testing.fake_model import FakeModelSpec
+from tokenbudget.scheduler.testing.harness import Harness
+from tokenbudget.scheduler.testing.strategies import request_specs, scheduler_configs
 
 SPEC = FakeModelSpec()
 PREFIXES = {1: [5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49], 2: [7, 7, 7, 7, 3, 3, 3, 3, 11, 2]}

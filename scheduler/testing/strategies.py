@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from scheduler.config import SchedulerConfig
+from tokenbudget.scheduler.config import SchedulerConfig
 
 
 @st.composite

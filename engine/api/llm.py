@@ -9,10 +9,10 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.prompts import PromptInput
-from engine.sampling_params import SamplingParams
+from tokenbudget.engine.api.llm_engine import LLMEngine
+from tokenbudget.engine.api.outputs import RequestOutput
+from tokenbudget.engine.core.prompts import PromptInput
+from tokenbudget.engine.api.sampling_params import SamplingParams
 
 
 class LLM:

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention.base import AttentionMetadata
-from kernels.triton_utils import HAS_TRITON
+from tokenbudget.kernels.attention.base import AttentionMetadata
+from tokenbudget.kernels.triton_utils import HAS_TRITON
 
 
 @dataclass(slots=True)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.builder import EngineParts, build_engine_parts
-from engine.config import EngineConfig
-from engine.outputs import RequestOutput
-from engine.prompts import PromptInput, make_request
-from engine.sampling_params import SamplingParams
+from tokenbudget.engine.core.builder import EngineParts, build_engine_parts
+from tokenbudget.engine.api.config import EngineConfig
+from tokenbudget.engine.api.outputs import RequestOutput
+from tokenbudget.engine.core.prompts import PromptInput, make_request
+from tokenbudget.engine.api.sampling_params import SamplingParams
 
 
 class LLMEngine:

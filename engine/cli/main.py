@@ -10,10 +10,10 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenbudget", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    from engine import cli_generate
-    cli_generate.add_parser(sub)
-    from engine import cli_fuzz
-    cli_fuzz.add_parser(sub).set_defaults(run=cli_fuzz.run)
+    from tokenbudget.engine.cli import generate
+    generate.add_parser(sub)
+    from tokenbudget.engine.cli import fuzz
+    fuzz.add_parser(sub).set_defaults(run=fuzz.run)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:

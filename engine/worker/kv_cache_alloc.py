@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model_config import ModelConfig
+from tokenbudget.engine.model.config import ModelConfig
 
 
 def kv_cache_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

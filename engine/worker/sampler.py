@@ -32,9 +32,9 @@ from typing import NamedTuple
 
 import torch
 
-from engine.sampling_params import SamplingParams
-from kernels.rejection_triton import rejection_sample  # Triton on CUDA, torch reference elsewhere
-from spec.rejection_sampler import PLACEHOLDER_TOKEN_ID
+from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.kernels.rejection_triton import rejection_sample  # Triton on CUDA, torch reference elsewhere
+from tokenbudget.spec.rejection_sampler import PLACEHOLDER_TOKEN_ID
 
 __all__ = [
     "SamplingRow",

@@ -20,10 +20,10 @@ import time
 
 import torch
 
-from scheduler.config import SchedulerConfig
-from scheduler.output import ScheduledRequest, SchedulerOutput
-from scheduler.request import Request
-from spec.cost_model import StepCostModel, default_grid, measure_step_costs
+from tokenbudget.scheduler.config import SchedulerConfig
+from tokenbudget.scheduler.output import ScheduledRequest, SchedulerOutput
+from tokenbudget.scheduler.request import Request
+from tokenbudget.spec.cost_model import StepCostModel, default_grid, measure_step_costs
 
 
 def _dummy_step(num_tokens: int, block_size: int) -> SchedulerOutput:

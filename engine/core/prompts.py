@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Union
 
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from scheduler.request import Request
+from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.engine.text.tokenizer import Tokenizer
+from tokenbudget.scheduler.request import Request
 
 PromptInput = Union[str, list[int], dict]
 

@@ -35,7 +35,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from scheduler.testing.fuzz import load_config_file, run_fuzz
+    from tokenbudget.scheduler.testing.fuzz import load_config_file, run_fuzz
 
     if args.examples < 1 or args.steps < 1:
         print("tokenbudget fuzz: --examples and --steps must be >= 1", file=sys.stderr)

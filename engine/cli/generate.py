@@ -59,8 +59,8 @@ def speculative_config_from_args(args) -> dict | None:
 def run(args) -> int:
     if (args.prompt is None) == (args.input is None):
         raise ValueError("give either a prompt or --input FILE")
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from tokenbudget.engine.api.llm import LLM
+    from tokenbudget.engine.api.sampling_params import SamplingParams
     options = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                    max_num_seqs=args.max_num_seqs, num_threads=args.threads,
                    speculative_config=speculative_config_from_args(args))
@@ -93,7 +93,7 @@ def _stream_one(llm, prompt: str, params, chat: bool) -> int:
 
 
 def _read_inputs(path: str, llm, default_params, chat: bool):
-    from engine.sampling_params import SamplingParams
+    from tokenbudget.engine.api.sampling_params import SamplingParams
     prompts, params, ids = [], [], []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):

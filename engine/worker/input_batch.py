@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention.base import AttentionBackend, AttentionMetadata
-from scheduler.output import SchedulerOutput
+from tokenbudget.kernels.attention.base import AttentionBackend, AttentionMetadata
+from tokenbudget.scheduler.output import SchedulerOutput
 
 
 @dataclass(slots=True)

@@ -20,18 +20,18 @@ import time
 
 import torch
 
-from engine.input_batch import InputBatch, prepare_inputs
-from engine.min_tokens import apply_min_tokens
-from engine.model_config import ModelConfig
-from kernels.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
-from kernels.attention.selector import select_attention_backend
-from scheduler.output import ModelRunnerOutput, SchedulerOutput
+from tokenbudget.engine.worker.input_batch import InputBatch, prepare_inputs
+from tokenbudget.engine.worker.min_tokens import apply_min_tokens
+from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.kernels.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
+from tokenbudget.kernels.attention.selector import select_attention_backend
+from tokenbudget.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 
 def _sampler_types():
-    from engine.sampler import SamplingRow  # late import: keeps this module importable alone
+    from tokenbudget.engine.worker.sampler import SamplingRow  # late import: keeps this module importable alone
     return SamplingRow
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.sampling_params import SamplingParams
+from tokenbudget.engine.api.sampling_params import SamplingParams
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):

@@ -16,10 +16,10 @@ import itertools
 import threading
 from typing import Any, AsyncIterator
 
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.prompts import PromptInput
-from engine.sampling_params import SamplingParams
+from tokenbudget.engine.api.llm_engine import LLMEngine
+from tokenbudget.engine.api.outputs import RequestOutput
+from tokenbudget.engine.core.prompts import PromptInput
+from tokenbudget.engine.api.sampling_params import SamplingParams
 
 
 class AsyncLLM:

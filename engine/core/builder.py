@@ -12,19 +12,19 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig
-from engine.kv_cache_alloc import allocate_kv_caches, num_blocks_for_budget
-from engine.loader import load_model_files
-from engine.model import build_model
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
-from engine.output_processor import OutputProcessor
-from engine.sampler import Sampler
-from engine.tokenizer import Tokenizer
-from scheduler.config import SchedulerConfig
-from scheduler.scheduler import Scheduler
-from spec.config import SpeculativeConfig
-from spec.speculator import Speculator
+from tokenbudget.engine.api.config import EngineConfig
+from tokenbudget.engine.worker.kv_cache_alloc import allocate_kv_caches, num_blocks_for_budget
+from tokenbudget.engine.loader import load_model_files
+from tokenbudget.engine.model import build_model
+from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.engine.worker.model_runner import ModelRunner
+from tokenbudget.engine.core.output_processor import OutputProcessor
+from tokenbudget.engine.worker.sampler import Sampler
+from tokenbudget.engine.text.tokenizer import Tokenizer
+from tokenbudget.scheduler.config import SchedulerConfig
+from tokenbudget.scheduler.scheduler import Scheduler
+from tokenbudget.spec.config import SpeculativeConfig
+from tokenbudget.spec.speculator import Speculator
 
 logger = logging.getLogger("tokenbudget")
 
@@ -108,7 +108,7 @@ def _draft_kv_share(spec_config: SpeculativeConfig | None, mcfg: ModelConfig) ->
         return 0.0
     if spec_config.method == "self_draft":
         return min(spec_config.draft_num_layers, mcfg.num_hidden_layers) / mcfg.num_hidden_layers
-    from engine.loader.kv_shape import kv_elements_per_token
+    from tokenbudget.engine.loader.kv_shape import kv_elements_per_token
     target = mcfg.num_hidden_layers * mcfg.num_key_value_heads * mcfg.resolved_head_dim
     return kv_elements_per_token(spec_config.model) / target
 
@@ -116,10 +116,10 @@ def _draft_kv_share(spec_config: SpeculativeConfig | None, mcfg: ModelConfig) ->
 def _wrap_in_cuda_graphs(runner: ModelRunner, kv_caches, spec_config, max_model_len: int,
                          config: EngineConfig) -> None:
     """Swap the runner's model for a CUDA-graph wrapper (same call signature)."""
-    from kernels.triton_utils import HAS_TRITON
+    from tokenbudget.kernels.triton_utils import HAS_TRITON
     if runner.device.type != "cuda" or runner.attn_backend.name != "flashinfer" or not HAS_TRITON:
         raise ValueError("cuda_graphs=True needs device='cuda' with flashinfer and triton installed")
-    from engine.cuda_graphs import CUDAGraphRunner
+    from tokenbudget.engine.worker.cuda_graphs import CUDAGraphRunner
     ks = (0,) if spec_config is None or spec_config.is_adaptive else (0, spec_config.max_spec_tokens)
     sizes = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= config.max_num_seqs)
     graphs = CUDAGraphRunner(runner.model, kv_caches, runner.attn_backend, batch_sizes=sizes,
@@ -129,11 +129,11 @@ def _wrap_in_cuda_graphs(runner: ModelRunner, kv_caches, spec_config, max_model_
 
 
 def _build_speculator(spec_config: SpeculativeConfig, parts: EngineParts) -> Speculator:
-    from spec.factory import build_controller, build_proposer
+    from tokenbudget.spec.factory import build_controller, build_proposer
     max_model_len = parts.scheduler.config.max_model_len
     proposer = build_proposer(spec_config, max_model_len, target=parts)
     cost_model = None
     if spec_config.is_adaptive:
-        from engine.step_cost import measure_runner_costs
+        from tokenbudget.engine.worker.step_cost import measure_runner_costs
         cost_model = measure_runner_costs(parts.runner, parts.scheduler.config)
     return Speculator(spec_config, proposer, build_controller(spec_config, cost_model))

@@ -25,10 +25,12 @@ Decisions, where vLLM/SGLang users might expect something else:
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 from msgspec.structs import force_setattr
 
-__all__ = ["SamplingParams", "GREEDY_TEMPERATURE_EPS"]
+__all__ = ["GREEDY_TEMPERATURE_EPS", "RequestOutputKind", "SamplingParams"]
 
 GREEDY_TEMPERATURE_EPS = 1e-5
 
@@ -39,6 +41,19 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each output of a request carries (vLLM's names and meaning).
+
+    CUMULATIVE: everything so far (token ids, text, logprobs), every step.
+    DELTA: only what is new since the request's previous output.
+    FINAL_ONLY: nothing until the request finishes, then everything.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,6 +74,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: int | None = None
     skip_special_tokens: bool = True
     num_speculative_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._normalize()

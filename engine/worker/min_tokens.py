@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from scheduler.output import SchedulerOutput
+from tokenbudget.scheduler.output import SchedulerOutput
 
 
 def apply_min_tokens(logits: torch.Tensor, sched: SchedulerOutput, num_samples: list[int]) -> None:

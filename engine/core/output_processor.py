@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from scheduler.output import EngineCoreOutput
+from tokenbudget.engine.text.detokenizer import IncrementalDetokenizer
+from tokenbudget.engine.api.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.engine.text.tokenizer import Tokenizer
+from tokenbudget.scheduler.output import EngineCoreOutput
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from engine.tokenizer import Tokenizer
+from tokenbudget.engine.text.tokenizer import Tokenizer
 
 __all__ = ["IncrementalDetokenizer", "INITIAL_CONTEXT_TOKENS", "MAX_HELD_TOKENS"]
 

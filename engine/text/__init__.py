@@ -1,0 +1,1 @@
+"""Text in and out: the tokenizer (with chat templates) and the incremental detokenizer."""

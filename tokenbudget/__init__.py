@@ -1,0 +1,35 @@
+"""tokenbudget: an LLM inference engine with token-budget continuous batching, a paged KV cache
+and speculative decoding whose output is exactly the target model's.
+
+    from tokenbudget import LLM, SamplingParams
+    llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    print(llm.generate("The capital of France is", SamplingParams(max_tokens=16))[0].outputs[0].text)
+
+The subpackages live in folders of the repository root and install under this namespace:
+``tokenbudget.engine`` (API, EngineCore, worker, loading, model code), ``tokenbudget.scheduler``,
+``tokenbudget.kv_cache``, ``tokenbudget.spec``, ``tokenbudget.kernels``. docs/DESIGN.md draws the
+architecture.
+"""
+
+from tokenbudget.engine.api.config import EngineConfig
+from tokenbudget.engine.api.errors import EngineDeadError, RequestError
+from tokenbudget.engine.api.outputs import CompletionOutput, GenerateRequest, RequestMetrics, RequestOutput
+from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
+
+_LAZY = {  # heavy (torch, model code): imported on first use
+    "LLM": "tokenbudget.engine.api.llm",
+    "LLMEngine": "tokenbudget.engine.api.llm_engine",
+    "AsyncLLM": "tokenbudget.engine.api.async_llm",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tokenbudget' has no attribute {name!r}")
+
+
+__all__ = ["AsyncLLM", "CompletionOutput", "EngineConfig", "EngineDeadError", "GenerateRequest", "LLM",
+           "LLMEngine", "RequestError", "RequestMetrics", "RequestOutput", "RequestOutputKind",
+           "SamplingParams"]
