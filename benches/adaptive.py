@@ -50,10 +50,17 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benches.common import (engine_generate, machine_info, markdown_table, median,  # noqa: E402
-                            print_table, replace_section, write_json)
-from benches.workloads import Prompt, chat_token_ids, code_editing, spec_bench  # noqa: E402
 from benches.adaptive_plots import ADAPTIVE, BASE, figures  # noqa: E402
+from benches.common import (  # noqa: E402
+    engine_generate,
+    machine_info,
+    markdown_table,
+    median,
+    print_table,
+    replace_section,
+    write_json,
+)
+from benches.workloads import Prompt, chat_token_ids, code_editing, spec_bench  # noqa: E402
 
 LOW_CATS = ("writing", "roleplay", "humanities", "qa")
 MIX_ORDER = ("code_editing", "writing", "summarization", "roleplay", "coding", "humanities",

@@ -26,8 +26,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benches.common import (engine_generate, hf_generate, load_hf_model, machine_info,  # noqa: E402
-                            markdown_table, median, print_table, replace_section, write_json)
+from benches.common import (  # noqa: E402
+    engine_generate,
+    hf_generate,
+    load_hf_model,
+    machine_info,
+    markdown_table,
+    median,
+    print_table,
+    replace_section,
+    write_json,
+)
 from benches.workloads import chat_token_ids, spec_bench  # noqa: E402
 
 

@@ -47,13 +47,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benches.common import machine_info, replace_section, write_json  # noqa: E402
-from benches.step_timer import StepTimer, sync  # noqa: E402
-from benches.gpu_spec_report import SPLIT_KEYS, markdown_body, print_report  # noqa: E402
-from benches.synthetic_model import SHAPES, OracleProposer, build_synthetic_engine, param_count  # noqa: E402
 from tokenbudget.engine.api.sampling_params import SamplingParams  # noqa: E402
 from tokenbudget.engine.core.prompts import make_request  # noqa: E402
 from tokenbudget.scheduler.output import ScheduledRequest, SchedulerOutput  # noqa: E402
+
+from benches.common import machine_info, replace_section, write_json  # noqa: E402
+from benches.gpu_spec_report import SPLIT_KEYS, markdown_body, print_report  # noqa: E402
+from benches.step_timer import StepTimer, sync  # noqa: E402
+from benches.synthetic_model import (  # noqa: E402
+    SHAPES,
+    OracleProposer,
+    build_synthetic_engine,
+    param_count,
+)
 
 SECTION = "GPU speculation (synthetic models)"
 def _ints(s: str) -> list[int]:

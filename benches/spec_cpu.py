@@ -37,9 +37,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benches.common import (GenTiming, StepProfile, StepProfiler, engine_generate, hf_generate,  # noqa: E402
-                            load_hf_model, machine_info, markdown_table, median, print_table,
-                            replace_section, write_json)
+from benches.common import (  # noqa: E402
+    GenTiming,
+    StepProfile,
+    StepProfiler,
+    engine_generate,
+    hf_generate,
+    load_hf_model,
+    machine_info,
+    markdown_table,
+    median,
+    print_table,
+    replace_section,
+    write_json,
+)
 from benches.workloads import bench_prompts, chat_token_ids  # noqa: E402
 
 BASE = "no-spec"

@@ -22,13 +22,16 @@ from typing import Sequence
 
 import torch
 
-from tokenbudget.engine.worker.kv_cache_alloc import allocate_kv_caches, num_blocks_for_budget
+from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.engine.core.prompts import make_request
 from tokenbudget.engine.model import build_model
 from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.engine.worker.kv_cache_alloc import (
+    allocate_kv_caches,
+    num_blocks_for_budget,
+)
 from tokenbudget.engine.worker.model_runner import ModelRunner
-from tokenbudget.engine.core.prompts import make_request
 from tokenbudget.engine.worker.sampler import Sampler
-from tokenbudget.engine.api.sampling_params import SamplingParams
 from tokenbudget.scheduler.config import SchedulerConfig
 from tokenbudget.scheduler.output import EngineCoreOutput
 from tokenbudget.scheduler.scheduler import Scheduler

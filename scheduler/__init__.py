@@ -4,7 +4,12 @@ if __name__ != "tokenbudget.scheduler":  # a second copy of every module would b
     raise ImportError("this folder installs as tokenbudget.scheduler: `import tokenbudget` instead")
 
 from tokenbudget.scheduler.config import SchedulerConfig
-from tokenbudget.scheduler.output import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenbudget.scheduler.output import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from tokenbudget.scheduler.request import Request, RequestStatus
 from tokenbudget.scheduler.scheduler import Scheduler
 

@@ -17,7 +17,12 @@ from typing import Iterable, Mapping
 from tokenbudget.kv_cache.manager import KVCacheManager
 from tokenbudget.scheduler.config import SchedulerConfig
 from tokenbudget.scheduler.integrity import check_scheduler_integrity
-from tokenbudget.scheduler.output import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenbudget.scheduler.output import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from tokenbudget.scheduler.queues import make_queue
 from tokenbudget.scheduler.request import Request, RequestStatus
 from tokenbudget.scheduler.stop import append_and_check_stop

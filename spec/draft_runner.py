@@ -27,9 +27,9 @@ import copy
 import msgspec
 import torch
 
+from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.worker.input_batch import prepare_inputs
 from tokenbudget.engine.worker.kv_cache_alloc import allocate_kv_caches
-from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.kernels.attention.base import AttentionSpec
 from tokenbudget.kernels.attention.selector import select_attention_backend
 from tokenbudget.scheduler.output import ScheduledRequest, SchedulerOutput

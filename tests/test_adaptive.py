@@ -13,7 +13,11 @@ from hypothesis import strategies as st
 
 from tokenbudget.scheduler.request import Request
 from tokenbudget.spec.acceptance import AcceptanceEstimator
-from tokenbudget.spec.adaptive import AdaptiveSpecController, expected_tokens, optimal_draft_lengths
+from tokenbudget.spec.adaptive import (
+    AdaptiveSpecController,
+    expected_tokens,
+    optimal_draft_lengths,
+)
 from tokenbudget.spec.config import SpeculativeConfig
 from tokenbudget.spec.cost_model import StepCostModel
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from tokenbudget import LLM, SamplingParams
-from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, reuse_default_weights
+
+from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, default_target
 
 EDIT = ("Rewrite this function so it skips negative numbers:\n```python\ndef total(xs):\n"
         "    result = 0\n    for x in xs:\n        result += x\n    return result\n```")
@@ -19,9 +20,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 @pytest.fixture(scope="module")
 def engines():
-    with reuse_default_weights():
-        plain = LLM(**ENGINE_OPTS)
-        auto = LLM(**ENGINE_OPTS, speculative_config={"method": "ngram", "num_speculative_tokens": "auto"})
+    plain = LLM(default_target(), **ENGINE_OPTS)
+    auto = LLM(default_target(), **ENGINE_OPTS, speculative_config={"method": "ngram", "num_speculative_tokens": "auto"})
     return plain, auto
 
 

@@ -15,8 +15,7 @@ import pytest
 from tokenbudget import LLM, SamplingParams
 from tokenbudget.engine.api.async_llm import AsyncLLM
 
-from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, reuse_default_weights  # noqa: E402
-
+from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, default_target  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are"]
@@ -25,8 +24,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def async_llm() -> AsyncLLM:
-    with reuse_default_weights():
-        return AsyncLLM(**ENGINE_OPTS)
+    return AsyncLLM(default_target(), **ENGINE_OPTS)
 
 
 @pytest.fixture(scope="module")

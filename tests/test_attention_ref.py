@@ -8,7 +8,11 @@ import random
 import pytest
 import torch
 
-from tokenbudget.kernels.attention import AttentionSpec, TorchRefBackend, select_attention_backend
+from tokenbudget.kernels.attention import (
+    AttentionSpec,
+    TorchRefBackend,
+    select_attention_backend,
+)
 
 
 def naive(q, k, v, scale):

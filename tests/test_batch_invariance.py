@@ -20,9 +20,9 @@ import random
 import pytest
 import torch
 
-from tokenbudget.engine.worker.kv_cache_alloc import allocate_kv_caches
 from tokenbudget.engine.model import build_model
 from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.engine.worker.kv_cache_alloc import allocate_kv_caches
 from tokenbudget.engine.worker.model_runner import ModelRunner
 from tokenbudget.scheduler.output import ScheduledRequest, SchedulerOutput
 from tokenbudget.scheduler.request import Request

@@ -13,11 +13,10 @@ import msgspec
 import pytest
 
 import tokenbudget.engine.api.llm as llm_module
-from tokenbudget.engine.cli.main import main
 from tokenbudget.engine.api.outputs import RequestOutput
+from tokenbudget.engine.cli.main import main
 
-from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, reuse_default_weights  # noqa: E402
-
+from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, default_target  # noqa: E402
 
 COMMON = ["--max-tokens", "12", "--threads", "1", "--max-model-len", "512"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
@@ -33,8 +32,7 @@ def engines():
         options = {**options, "kv_cache_memory_bytes": ENGINE_OPTS["kv_cache_memory_bytes"]}
         key = repr((model, sorted(options.items())))
         if key not in built:
-            with reuse_default_weights():
-                built[key] = real(model, **options)
+            built[key] = real(default_target() if model is None else model, **options)
         return built[key]
 
     with pytest.MonkeyPatch.context() as mp:

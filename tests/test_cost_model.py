@@ -9,8 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenbudget.spec.cost_model import (StepCostModel, default_grid, isotonic_non_decreasing,
-                             measure_step_costs)
+from tokenbudget.spec.cost_model import (
+    StepCostModel,
+    default_grid,
+    isotonic_non_decreasing,
+    measure_step_costs,
+)
 
 
 def test_interpolation_and_extrapolation():

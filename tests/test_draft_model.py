@@ -14,6 +14,7 @@ import torch
 
 from tokenbudget.engine.api.llm import LLM
 from tokenbudget.engine.api.sampling_params import SamplingParams
+
 from model_helpers import write_tokenizer_files  # noqa: E402
 
 transformers = pytest.importorskip("transformers")

@@ -18,8 +18,7 @@ from tokenbudget.engine.api.config import EngineConfig
 from tokenbudget.engine.api.llm_engine import LLMEngine
 from tokenbudget.engine.api.outputs import GenerateRequest, RequestOutput
 
-from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, reuse_default_weights  # noqa: E402
-
+from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, default_target  # noqa: E402
 
 # ---------------------------------------------------------------- fixtures
 
@@ -30,8 +29,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):",
 
 @pytest.fixture(scope="module")
 def llm():
-    with reuse_default_weights():
-        return LLM(**ENGINE_OPTS)
+    return LLM(default_target(), **ENGINE_OPTS)
 
 
 @pytest.fixture(scope="module")

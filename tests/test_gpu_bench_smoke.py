@@ -11,9 +11,15 @@ import random
 
 import torch
 
-from benches import gpu_spec
-from benches.synthetic_model import SHAPES, OracleProposer, build_synthetic_engine, param_count
 from tokenbudget.engine.api.sampling_params import SamplingParams
+
+from benches import gpu_spec
+from benches.synthetic_model import (
+    SHAPES,
+    OracleProposer,
+    build_synthetic_engine,
+    param_count,
+)
 
 
 def test_shapes_are_realistic():

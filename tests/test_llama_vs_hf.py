@@ -14,9 +14,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tokenbudget.engine.worker.kv_cache_alloc import allocate_kv_caches  # noqa: E402
 from tokenbudget.engine.model import build_model  # noqa: E402
 from tokenbudget.engine.model.config import ModelConfig  # noqa: E402
+from tokenbudget.engine.worker.kv_cache_alloc import allocate_kv_caches  # noqa: E402
 from tokenbudget.engine.worker.model_runner import ModelRunner  # noqa: E402
 from tokenbudget.scheduler.output import ScheduledRequest, SchedulerOutput  # noqa: E402
 from tokenbudget.scheduler.request import Request  # noqa: E402

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from tokenbudget.engine.worker.kv_cache_alloc import allocate_kv_caches, num_blocks_for_budget
+from tokenbudget.engine.api.sampling_params import SamplingParams
 from tokenbudget.engine.model import build_model
 from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.engine.worker.kv_cache_alloc import (
+    allocate_kv_caches,
+    num_blocks_for_budget,
+)
 from tokenbudget.engine.worker.model_runner import ModelRunner
 from tokenbudget.engine.worker.sampler import SamplerOutput
-from tokenbudget.engine.api.sampling_params import SamplingParams
 from tokenbudget.scheduler.output import ScheduledRequest, SchedulerOutput
 from tokenbudget.scheduler.request import Request
 

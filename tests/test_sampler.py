@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from tokenbudget.engine.worker.sampler import Sampler, SamplingRow, compute_target_probs
 from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.engine.worker.sampler import Sampler, SamplingRow, compute_target_probs
 
 SAMPLER = Sampler()
 GREEDY = SamplingParams(temperature=0.0)

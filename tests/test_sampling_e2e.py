@@ -10,13 +10,11 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from tokenbudget import LLM, SamplingParams
 
-from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, reuse_default_weights  # noqa: E402
-
+from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, default_target  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
            "Repeat after me: red green blue, red green blue, red green blue, red green blue,"]
@@ -26,14 +24,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm():
-    with reuse_default_weights():
-        return LLM(**ENGINE_OPTS)
+    return LLM(default_target(), **ENGINE_OPTS)
 
 
 @pytest.fixture(scope="module")
 def spec_llm():
-    with reuse_default_weights():
-        return LLM(**ENGINE_OPTS, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    return LLM(default_target(), **ENGINE_OPTS, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
 
 
 def _tokens(outs) -> list[list[int]]:

@@ -14,7 +14,6 @@ divergence here is a bug to explain, not a tolerance to widen.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -22,9 +21,13 @@ from tokenbudget import LLM, SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
-from engine_fixtures import ENGINE_OPTS, _default_model_once, assert_all_blocks_free, reuse_default_weights  # noqa: E402
+from engine_fixtures import (  # noqa: E402
+    ENGINE_OPTS,
+    assert_all_blocks_free,
+    default_loaded,
+    default_target,
+)
 from model_helpers import hf_llama_from_loaded  # noqa: E402
-
 
 # ---------------------------------------------------------------- fixtures
 
@@ -35,8 +38,7 @@ CHAT = ["What is the boiling point of water?", "Write a short haiku about the se
 
 @pytest.fixture(scope="module")
 def llm():
-    with reuse_default_weights():
-        return LLM(dtype="float32", **ENGINE_OPTS)
+    return LLM(default_target(), dtype="float32", **ENGINE_OPTS)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,7 @@ def prompts(llm) -> list[str]:
 
 @pytest.fixture(scope="module")
 def hf_model():
-    base = _default_model_once()
+    base = default_loaded()
     model = hf_llama_from_loaded(base)
     model.generation_config.eos_token_id = None  # run the full 32 tokens, like ignore_eos
     model.generation_config.pad_token_id = 0

@@ -16,10 +16,11 @@ import json
 import os
 
 import pytest
-import torch
 
 from tokenbudget.engine.api.llm import LLM
 from tokenbudget.engine.api.sampling_params import SamplingParams
+
+from engine_fixtures import default_target
 from test_draft_model import make_tiny_llama, make_truncated_copy
 
 transformers = pytest.importorskip("transformers")
@@ -134,13 +135,7 @@ SMOL_SPECS = {
 
 @pytest.fixture(scope="module")
 def smol():
-    from tokenbudget.engine.loader import default_model as dm
-    try:
-        dm.default_model_path()
-    except RuntimeError as exc:
-        pytest.skip(f"default model unavailable: {exc}")
-    torch.set_num_threads(1)
-    plain = LLM(num_threads=1)
+    plain = LLM(default_target(), num_threads=1)
     prompts = [plain.tokenizer.apply_chat_template([{"role": "user", "content": p}],
                                                    add_generation_prompt=True) for p in SMOL_PROMPTS]
     return {"prompts": prompts, "want": _gen(plain, prompts, SMOL_MAX_TOKENS)}
@@ -152,7 +147,7 @@ def _smol_block_bytes() -> int:
 
 @pytest.mark.parametrize("method", list(SMOL_SPECS))
 def test_smollm2_greedy_lossless_default_config(smol, method: str) -> None:
-    llm = LLM(speculative_config=SMOL_SPECS[method], num_threads=1)
+    llm = LLM(default_target(), speculative_config=SMOL_SPECS[method], num_threads=1)
     want = smol["want"]
     assert _gen(llm, smol["prompts"], SMOL_MAX_TOKENS) == want
     assert _gen(llm, smol["prompts"][:1], SMOL_MAX_TOKENS) == want[:1]  # cached prefix
@@ -169,7 +164,7 @@ def test_smollm2_greedy_lossless_chunked_and_preempted(smol, method) -> None:
     """16-token budget (chunked prefill, verifies squeezed) and a 20-block pool (preemption)."""
     spec = SMOL_SPECS.get(method)
     share = spec["draft_num_layers"] / 30 if spec and spec["method"] == "self_draft" else 0.0  # its own KV
-    llm = LLM(speculative_config=spec, num_threads=1, max_num_batched_tokens=16,
+    llm = LLM(default_target(), speculative_config=spec, num_threads=1, max_num_batched_tokens=16,
               kv_cache_memory_bytes=int(20 * _smol_block_bytes() * (1 + share)) + 1)
     assert _gen(llm, smol["prompts"], SMOL_MAX_TOKENS) == smol["want"]
     assert llm.engine.scheduler.num_preemptions > 0

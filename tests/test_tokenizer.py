@@ -12,6 +12,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from tokenbudget.engine.loader.gguf_tokenizer import build_gguf_tokenizer
 from tokenbudget.engine.text.tokenizer import Tokenizer
+
 from model_helpers import smollm2_gguf_tokenizer  # noqa: E402
 
 SAMPLES = ["Hello world! 12345", "héllo wörld — 世界 你好 🎉👍🏽", "def f(x):\n    return x**2  # ok\n",

@@ -9,7 +9,6 @@ Everything skips when triton is not installed.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -8,7 +8,6 @@ triton is not installed.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

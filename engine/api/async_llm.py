@@ -18,8 +18,8 @@ from typing import Any, AsyncIterator
 
 from tokenbudget.engine.api.llm_engine import LLMEngine
 from tokenbudget.engine.api.outputs import RequestOutput
-from tokenbudget.engine.core.prompts import PromptInput
 from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.engine.core.prompts import PromptInput
 
 
 class AsyncLLM:

@@ -8,20 +8,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenbudget.engine.core.builder import EngineParts, build_engine_parts
 from tokenbudget.engine.api.config import EngineConfig
 from tokenbudget.engine.api.outputs import RequestOutput
-from tokenbudget.engine.core.prompts import PromptInput, make_request
 from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.engine.core.prompts import PromptInput, make_request
+from tokenbudget.engine.core.wiring import EngineParts, load_and_wire
+from tokenbudget.engine.loader.target import TargetModel
 
 
 class LLMEngine:
+    """``model`` (or ``config.model``): a .gguf file, an HF directory, None for the default model,
+    or an already loaded ``TargetModel`` (``engine.loader.target.load_target_model``), which
+    several engines may share."""
+
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        target = kwargs.pop("model", None) if isinstance(kwargs.get("model"), TargetModel) else None
+        if target is not None:
+            kwargs["model"] = target.source
         if config is None:
             config = EngineConfig.from_kwargs(**kwargs)
         elif kwargs:
             raise ValueError("pass either an EngineConfig or keyword options, not both")
-        parts: EngineParts = build_engine_parts(config)
+        parts: EngineParts = load_and_wire(config, target)
         self.config = config
         self.parts = parts
         self.tokenizer = parts.tokenizer

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenbudget.engine.text.detokenizer import IncrementalDetokenizer
-from tokenbudget.engine.api.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenbudget.engine.api.outputs import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.engine.text.detokenizer import IncrementalDetokenizer
 from tokenbudget.engine.text.tokenizer import Tokenizer
 from tokenbudget.scheduler.output import EngineCoreOutput
 

@@ -17,7 +17,10 @@ from typing import Any
 import torch
 from gguf import GGUFReader, GGUFValueType
 
-from tokenbudget.engine.loader.gguf_config import gguf_metadata_to_config, llama3_rope_scaling_from_freqs
+from tokenbudget.engine.loader.gguf_config import (
+    gguf_metadata_to_config,
+    llama3_rope_scaling_from_freqs,
+)
 from tokenbudget.engine.loader.gguf_dequant import dequantize_tensor
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.text.tokenizer import Tokenizer

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from tokenbudget.engine.model.llama import LlamaForCausalLM
 from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.engine.model.llama import LlamaForCausalLM
 
 _ARCHS = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM}
 

@@ -46,9 +46,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.model.layers import Linear, pad_rows, rms_norm, swiglu
 from tokenbudget.engine.model.rope import RotaryTable
-from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.kernels.attention.base import AttentionMetadata
 
 

@@ -20,10 +20,14 @@ import time
 
 import torch
 
+from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.worker.input_batch import InputBatch, prepare_inputs
 from tokenbudget.engine.worker.min_tokens import apply_min_tokens
-from tokenbudget.engine.model.config import ModelConfig
-from tokenbudget.kernels.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
+from tokenbudget.kernels.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionSpec,
+)
 from tokenbudget.kernels.attention.selector import select_attention_backend
 from tokenbudget.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
@@ -31,7 +35,9 @@ logger = logging.getLogger(__name__)
 
 
 def _sampler_types():
-    from tokenbudget.engine.worker.sampler import SamplingRow  # late import: keeps this module importable alone
+    from tokenbudget.engine.worker.sampler import (
+        SamplingRow,  # late import: keeps this module importable alone
+    )
     return SamplingRow
 
 

@@ -33,7 +33,9 @@ from typing import NamedTuple
 import torch
 
 from tokenbudget.engine.api.sampling_params import SamplingParams
-from tokenbudget.kernels.rejection_triton import rejection_sample  # Triton on CUDA, torch reference elsewhere
+from tokenbudget.kernels.rejection_triton import (
+    rejection_sample,  # Triton on CUDA, torch reference elsewhere
+)
 from tokenbudget.spec.rejection_sampler import PLACEHOLDER_TOKEN_ID
 
 __all__ = [

@@ -1,6 +1,10 @@
 """Attention backends: interface (``base``), torch reference (``torch_ref``), selection."""
 
-from tokenbudget.kernels.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
+from tokenbudget.kernels.attention.base import (
+           AttentionBackend,
+           AttentionMetadata,
+           AttentionSpec,
+)
 from tokenbudget.kernels.attention.selector import select_attention_backend
 from tokenbudget.kernels.attention.torch_ref import TorchRefBackend
 

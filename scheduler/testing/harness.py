@@ -11,7 +11,12 @@ import random
 from tokenbudget.scheduler.config import SchedulerConfig
 from tokenbudget.scheduler.request import Request
 from tokenbudget.scheduler.scheduler import Scheduler
-from tokenbudget.scheduler.testing.fake_model import FakeDrafter, FakeModelRunner, FakeModelSpec, reference_generate
+from tokenbudget.scheduler.testing.fake_model import (
+    FakeDrafter,
+    FakeModelRunner,
+    FakeModelSpec,
+    reference_generate,
+)
 
 
 class Harness:

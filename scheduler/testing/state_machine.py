@@ -9,7 +9,13 @@ run (invariant 8); at teardown everything is drained and every block must be fre
 from __future__ import annotations
 
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from tokenbudget.scheduler.config import SchedulerConfig
 from tokenbudget.scheduler.testing.fake_model import FakeModelSpec

@@ -1,7 +1,8 @@
-"""Start-up: load the model, size the KV pool, wire scheduler, runner, speculator, outputs.
+"""The *wire* half of start-up: around a loaded ``TargetModel``, size the KV pool and build the
+scheduler, runner, speculator and output processor (``engine.loader.target`` is the load half).
 
-Everything derived here (device, dtype, ``max_model_len``, number of KV blocks) is computed from
-the frozen ``EngineConfig`` plus the model and the machine, and logged once.
+Everything derived here (``max_model_len``, number of KV blocks, threads) is computed from the
+frozen ``EngineConfig`` plus the model and the machine, and logged once.
 """
 
 from __future__ import annotations
@@ -13,23 +14,23 @@ from dataclasses import dataclass
 import torch
 
 from tokenbudget.engine.api.config import EngineConfig
-from tokenbudget.engine.worker.kv_cache_alloc import allocate_kv_caches, num_blocks_for_budget
-from tokenbudget.engine.loader import load_model_files
-from tokenbudget.engine.model import build_model
-from tokenbudget.engine.model.config import ModelConfig
-from tokenbudget.engine.worker.model_runner import ModelRunner
 from tokenbudget.engine.core.output_processor import OutputProcessor
-from tokenbudget.engine.worker.sampler import Sampler
+from tokenbudget.engine.loader.target import TargetModel, load_target_model
+from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.text.tokenizer import Tokenizer
+from tokenbudget.engine.worker.kv_cache_alloc import (
+    allocate_kv_caches,
+    num_blocks_for_budget,
+)
+from tokenbudget.engine.worker.model_runner import ModelRunner
+from tokenbudget.engine.worker.sampler import Sampler
+from tokenbudget.engine.worker.threads import set_torch_threads
 from tokenbudget.scheduler.config import SchedulerConfig
 from tokenbudget.scheduler.scheduler import Scheduler
 from tokenbudget.spec.config import SpeculativeConfig
 from tokenbudget.spec.speculator import Speculator
 
 logger = logging.getLogger("tokenbudget")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass(slots=True)
 class EngineParts:
@@ -45,32 +46,30 @@ class EngineParts:
     source: str
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but CUDA is not available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
-
-def build_engine_parts(config: EngineConfig) -> EngineParts:
+def load_and_wire(config: EngineConfig, target: TargetModel | None = None) -> EngineParts:
+    """Load the target (unless given) and wire an engine around it."""
     spec_config = (SpeculativeConfig.from_dict(config.speculative_config)
                    if config.speculative_config is not None else None)
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
+    threads = set_torch_threads(config.num_threads)
+    if target is None:
+        target = load_target_model(config.model, dtype=config.dtype, device=config.device)
+    else:
+        check_target_matches(config, target)
+    return wire_engine(config, target, spec_config, threads)
+
+
+def check_target_matches(config: EngineConfig, target: TargetModel) -> None:
+    """A pre-loaded target must agree with the options that would have loaded it."""
+    for name, got in (("dtype", str(target.dtype).removeprefix("torch.")), ("device", target.device.type)):
+        want = getattr(config, name)
+        if want != "auto" and want != got:
+            raise ValueError(f"{name}={want!r} but the given model was loaded with {name}={got!r}")
+
+
+def wire_engine(config: EngineConfig, target: TargetModel, spec_config: SpeculativeConfig | None,
+                threads: int) -> EngineParts:
     torch.manual_seed(config.seed)
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    loaded = load_model_files(config.model, dtype=torch.float32 if dtype == torch.float32 else dtype)
-    mcfg = loaded.config
-    model = build_model(mcfg, loaded.state_dict, dtype, device)
-    loaded.state_dict.clear()
+    mcfg, model, device, dtype = target.config, target.model, target.device, target.dtype
     # A model drafter keeps its own KV cache over the same block ids: the budget pays for both.
     draft_share = _draft_kv_share(spec_config, mcfg)
     num_blocks = num_blocks_for_budget(mcfg, config.block_size, dtype,
@@ -90,15 +89,15 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     runner = ModelRunner(model, mcfg, kv_caches, config.block_size, Sampler(), device)
     if config.cuda_graphs:
         _wrap_in_cuda_graphs(runner, kv_caches, spec_config, max_model_len, config)
-    parts = EngineParts(mcfg, model, loaded.tokenizer, scheduler, runner, Speculator(),
-                        OutputProcessor(loaded.tokenizer), device, dtype, loaded.source)
+    parts = EngineParts(mcfg, model, target.tokenizer, scheduler, runner, Speculator(),
+                        OutputProcessor(target.tokenizer), device, dtype, target.source)
     if spec_config is not None:
         parts.speculator = _build_speculator(spec_config, parts)
     gc.collect()
     gc.freeze()  # start-up objects (weights' Python wrappers, tokenizer) leave the GC's scans
-    logger.info("tokenbudget: %s on %s (%s), max_model_len=%d, %d KV blocks of %d tokens, speculation=%s",
-                loaded.source, device, str(dtype).removeprefix("torch."), max_model_len, num_blocks,
-                config.block_size, spec_config.method if spec_config else "off")
+    logger.info("tokenbudget: %s on %s (%s, %d threads), max_model_len=%d, %d KV blocks of %d tokens, "
+                "speculation=%s", target.source, device, str(dtype).removeprefix("torch."), threads,
+                max_model_len, num_blocks, config.block_size, spec_config.method if spec_config else "off")
     return parts
 
 
