@@ -98,7 +98,7 @@ class Bench:
 
     def __init__(self, args) -> None:
         from tokenbudget import LLM
-        from tokenbudget.engine.core.builder import _build_speculator
+        from tokenbudget.engine.core.wiring import _build_speculator
         from tokenbudget.spec.config import SpeculativeConfig
         from tokenbudget.spec.speculator import Speculator
 
@@ -112,7 +112,8 @@ class Bench:
         for label, cfg in self.configs.items():
             t = time.perf_counter()
             self.specs[label] = (Speculator() if cfg is None else
-                                 _build_speculator(SpeculativeConfig.from_dict(cfg), engine.parts))
+                                 _build_speculator(SpeculativeConfig.from_dict(cfg), engine.target, engine.scheduler,
+                                                   engine.runner))
             if label == ADAPTIVE:
                 self.startup_cost_s = time.perf_counter() - t
         ctrl = self.specs[ADAPTIVE].controller
@@ -125,7 +126,7 @@ class Bench:
     def use(self, label: str):
         engine = self.llm.engine
         assert not engine.has_unfinished_requests()
-        engine.speculator = engine.parts.speculator = self.specs[label]
+        engine.core.speculator = self.specs[label]
         return self.specs[label]
 
     def run(self, label: str, prompts: list[list[int]], max_tokens: int) -> dict:

@@ -64,27 +64,26 @@ def engine_generate(llm, prompts: Sequence[list[int]], max_tokens: int, ignore_e
     ``ttft_s`` is when every request has its first generated token (for batch 1: time to
     first token).
     """
-    from tokenbudget.engine.api.sampling_params import SamplingParams
+    from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
 
     engine = llm.engine
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos,
+                            output_kind=RequestOutputKind.DELTA)
     ids = [f"bench-{time.perf_counter_ns()}-{i}" for i in range(len(prompts))]
     t0 = time.perf_counter()
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, list(p), params)
-    final: dict[str, list[int]] = {}
-    started: set[str] = set()
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    num_finished = 0
     ttft = None
-    while len(final) < len(ids) and engine.has_unfinished_requests():
+    while num_finished < len(ids) and engine.has_unfinished_requests():
         for out in engine.step():
-            if ttft is None and out.outputs and out.outputs[0].token_ids:
-                started.add(out.request_id)
-                if len(started) == len(ids):
-                    ttft = time.perf_counter() - t0
-            if out.finished:
-                final[out.request_id] = list(out.outputs[0].token_ids)
+            tokens[out.request_id].extend(out.outputs[0].token_ids)
+            if ttft is None and all(tokens.values()):
+                ttft = time.perf_counter() - t0
+            num_finished += out.finished
     total = time.perf_counter() - t0
-    return GenTiming([final[r] for r in ids], ttft if ttft is not None else total, total)
+    return GenTiming([tokens[r] for r in ids], ttft if ttft is not None else total, total)
 
 
 # ------------------------------------------------------------------------------ transformers
@@ -200,13 +199,13 @@ class StepProfile:
             "runner other": s.get("execute", 0.0) - s.get("forward", 0.0) - s.get("logits", 0.0)
             - s.get("prepare", 0.0) - s.get("sampler", 0.0),
             "scheduler.schedule": s.get("schedule", 0.0),
-            "scheduler.update_from_output": s.get("update", 0.0),
+            "scheduler.plan/apply_update": s.get("update", 0.0),
             "output_processor (detok)": s.get("process", 0.0),
             "proposer.propose": s.get("propose", 0.0),
-            "speculator other": s.get("after_step", 0.0) - s.get("propose", 0.0),
+            "speculator other": s.get("speculate", 0.0) - s.get("propose", 0.0),
         }
         parts["python glue (step - parts)"] = self.step_total_s - s.get("execute", 0.0) - s.get(
-            "schedule", 0.0) - s.get("update", 0.0) - s.get("process", 0.0) - s.get("after_step", 0.0)
+            "schedule", 0.0) - s.get("update", 0.0) - s.get("process", 0.0) - s.get("speculate", 0.0)
         return parts
 
 
@@ -244,9 +243,11 @@ class StepProfiler:
         runner = e.runner
         self._wrap_execute(runner)
         self._wrap(e.scheduler, "schedule", "schedule")
-        self._wrap(e.scheduler, "update_from_output", "update")
-        self._wrap(e.output_processor, "process", "process")
-        self._wrap(e.speculator, "after_step", "after_step")
+        self._wrap(e.scheduler, "plan_update", "update")
+        self._wrap(e.scheduler, "apply_update", "update")
+        self._wrap(e.core.outputs, "prepare", "process")
+        self._wrap(e.speculator, "propose", "speculate")
+        self._wrap(e.speculator, "commit", "speculate")
         self._wrap(e.speculator.proposer, "propose", "propose")
         self._wrap(runner, "_prepare", "prepare")
         self._wrap(runner.model, "forward", "forward")

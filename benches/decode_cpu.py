@@ -55,7 +55,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     llm = LLM(num_threads=args.threads, enable_prefix_caching=False)
     hf, tok = load_hf_model(args.threads)
-    eos = llm.engine.parts.model_config.eos_token_ids
+    eos = llm.engine.model_config.eos_token_ids
     cats = ("writing", "roleplay", "reasoning", "math", "coding", "stem", "humanities", "qa")
     prompts = [chat_token_ids(tok, p.text) for p in spec_bench(1, cats)]
     n = args.max_new_tokens

@@ -21,8 +21,8 @@ no-speculation run), each token right with probability α. Three measurements:
     be numerics rather than a bug; after a divergence the oracle's references are stale and its
     acceptance drops.
 (c) time per decode step split into scheduler (``schedule``), input preparation (``_prepare``),
-    forward, logits (lm head), sampling/verify (``sampler``), ``update_from_output``, speculator
-    (``after_step``: drafting) and the rest, from separate profiled runs with
+    forward, logits (lm head), sampling/verify (``sampler``), ``plan_update``/``apply_update``,
+    speculator (``propose``/``commit``: drafting) and the rest, from separate profiled runs with
     ``torch.cuda.synchronize()`` around every GPU part (so the split adds sync overhead; use (b)
     for throughput).
 
@@ -48,7 +48,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from tokenbudget.engine.api.sampling_params import SamplingParams  # noqa: E402
-from tokenbudget.engine.core.prompts import make_request  # noqa: E402
 from tokenbudget.scheduler.output import ScheduledRequest, SchedulerOutput  # noqa: E402
 
 from benches.common import machine_info, replace_section, write_json  # noqa: E402
@@ -71,11 +70,6 @@ def _floats(s: str) -> list[float]:
 
 
 # ------------------------------------------------------------------------------ (a) verify cost
-class _NoTok:
-    eos_token_id = None
-    eos_token_ids: list[int] = []
-
-
 def _verify_batch(eng, batch: int, k: int, context: int, rng: random.Random) -> SchedulerOutput | None:
     """B requests, each with ``context`` tokens in the cache and 1 + k scheduled (k drafts)."""
     bs = eng.runner.block_size
@@ -87,11 +81,10 @@ def _verify_batch(eng, batch: int, k: int, context: int, rng: random.Random) -> 
     sched = SchedulerOutput()
     for i in range(batch):
         prompt = [rng.randrange(vocab) for _ in range(context + 1)]
-        _, req = make_request(f"verify-{i}", prompt, params, 0, _NoTok(), vocab)
         drafts = [rng.randrange(vocab) for _ in range(k)]
         sched.scheduled.append(ScheduledRequest(
-            req, context, 1 + k, [prompt[-1]] + drafts, drafts, list(range(i * nb, (i + 1) * nb)),
-            False, True))
+            f"verify-{i}", context, [prompt[-1]] + drafts, drafts, list(range(i * nb, (i + 1) * nb)),
+            False, True, params))
     sched.total_num_scheduled_tokens = batch * (1 + k)
     return sched
 
@@ -154,7 +147,7 @@ def run_generation(eng, prompts: list[list[int]], max_tokens: int, timer: StepTi
         sync(eng.device)
         now = time.perf_counter()
         for o in outs:
-            toks[o.request_id].extend(o.new_token_ids)
+            toks[o.request_id].extend(o.outputs[0].token_ids)
         if t_first is not None:
             steps += 1
             if timer is not None:

@@ -1,11 +1,14 @@
-"""Scheduler overhead: microseconds per step of ``schedule()`` + ``update_from_output()``.
+"""Scheduler overhead: microseconds per step of the scheduler's part of a step transaction.
+
+``begin_step() + schedule()`` (timed as *schedule*) and ``plan_update() + apply_update()`` (timed as
+*update*), the calls ``EngineCore.step`` makes (the journal that makes a step undoable included).
 
 Steady-state decode of N running requests (prompts of 100-500 tokens, already prefilled before
 timing; ignore_eos, long max_tokens), prefix caching on, block size 16, with no drafts and with
 k drafts per request whose acceptance is random (uniform 0..k). The fake model is not timed:
 its output (accepted drafts + one token) is built between the two timed calls from precomputed
-random numbers, without hashing. ``update_draft_token_ids`` (setting next step's drafts) is timed
-separately and reported in its own column; it is not part of the headline number.
+random numbers, without hashing. ``add_drafts`` (setting the step's drafts) is timed separately
+and reported in its own column; it is not part of the headline number.
 The default clock is the thread's CPU time (`time.thread_time`): on a shared 2-core machine under
 load, wall time mostly measures the neighbours; `--clock wall` gives perf_counter.
 
@@ -30,7 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tokenbudget.scheduler.config import SchedulerConfig  # noqa: E402
+from tokenbudget.scheduler.config import SchedulerConfig
+from tokenbudget.scheduler.drafts import DraftBatch  # noqa: E402
 from tokenbudget.scheduler.output import ModelRunnerOutput  # noqa: E402
 from tokenbudget.scheduler.request import Request  # noqa: E402
 from tokenbudget.scheduler.scheduler import Scheduler  # noqa: E402
@@ -44,7 +48,7 @@ def _fake_output(sched_out, accept: list[int], tokens: list[int], cursor: int) -
     req_ids, sampled = [], []
     n_acc, n_tok = len(accept), len(tokens)
     for sr in sched_out.scheduled:
-        req_ids.append(sr.request.request_id)
+        req_ids.append(sr.request_id)
         if not sr.needs_sample:
             sampled.append([])
             continue
@@ -83,27 +87,31 @@ def measure(num_requests: int, num_drafts: int, steps: int, warmup: int = 20, se
     cursor = 0
     # Prefill (untimed) until every request is decoding.
     while any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running) or len(sched.waiting):
+        sched.begin_step()
         out = sched.schedule()
         result, cursor = _fake_output(out, accept, tokens, cursor)
-        sched.update_from_output(out, result)
+        sched.apply_update(out, sched.plan_update(out, result))
     assert len(sched.running) == num_requests
     t_sched = t_update = t_drafts = 0.0
     scheduled_tokens = 0
     perf = CLOCKS[clock]
     gc.collect()
     for step in range(warmup + steps):
-        if num_drafts:
-            drafts = {r.request_id: draft_pool[(step * 7 + i) % 4000:(step * 7 + i) % 4000 + num_drafts]
-                      for i, r in enumerate(sched.running)}
-            d1 = perf()
-            sched.update_draft_token_ids(drafts)
-            d2 = perf()
         t0 = perf()
+        sched.begin_step()
+        if num_drafts:
+            drafts = DraftBatch([r.request_id for r in sched.running],
+                                [draft_pool[(step * 7 + i) % 4000:(step * 7 + i) % 4000 + num_drafts]
+                                 for i in range(len(sched.running))])
+            d1 = perf()
+            sched.add_drafts(drafts)
+            d2 = perf()
+            t0 += d2 - d1
         out = sched.schedule()
         t1 = perf()
         result, cursor = _fake_output(out, accept, tokens, cursor)
         t2 = perf()
-        sched.update_from_output(out, result)
+        sched.apply_update(out, sched.plan_update(out, result))
         t3 = perf()
         if step >= warmup:
             t_sched += t1 - t0
@@ -148,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         pstats.Stats("/tmp/sched.prof").sort_stats("tottime").print_stats(20)
         return 0
     rows = []
-    print(f"scheduler overhead (schedule + update_from_output), {args.clock} clock, {args.steps} steps, best of {args.repeats}, "
+    print(f"scheduler overhead (begin_step + schedule + plan_update + apply_update), {args.clock} clock, {args.steps} steps, best of {args.repeats}, "
           f"python {platform.python_version()}, {cpu_model()}")
     print(f"{'requests':>8} {'drafts':>6} {'us/step':>9} {'us/request':>10} {'schedule':>9} {'update':>8} "
           f"{'set_drafts':>10} {'tok/step':>8}")

@@ -108,7 +108,7 @@ def main(argv=None) -> dict:
         hf, _ = load_hf_model(args.threads)
     print(f"loaded {len(llms)} engines{' + transformers' if hf is not None else ''} "
           f"in {time.perf_counter() - t_load:.0f}s", flush=True)
-    eos = llms[BASE].engine.parts.model_config.eos_token_ids
+    eos = llms[BASE].engine.model_config.eos_token_ids
     labels = [BASE] + [m[0] for m in methods] + ([HF_PLD] if hf is not None else [])
 
     prompts = bench_prompts(args.per_category, tuple(args.categories) if args.categories else None)

@@ -43,8 +43,10 @@ class StepTimer:
     def __enter__(self):
         e, r = self.eng, self.eng.runner
         self._wrap(e.scheduler, "schedule", "schedule", False)
-        self._wrap(e.scheduler, "update_from_output", "update", False)
-        self._wrap(e.speculator, "after_step", "spec", False)
+        self._wrap(e.scheduler, "plan_update", "update", False)
+        self._wrap(e.scheduler, "apply_update", "update", False)
+        self._wrap(e.speculator, "propose", "spec", False)
+        self._wrap(e.speculator, "commit", "spec", False)
         self._wrap(r, "_prepare", "prepare", True)
         self._wrap(r.model, "forward", "forward", True)
         self._wrap(r.model, "compute_logits", "logits", True)

@@ -1,12 +1,13 @@
 """Random-weight Llama engines of realistic shapes, built without any model file.
 
 For GPU benchmarks on machines without internet (the default model's GGUF cannot travel there).
-``build_synthetic_engine`` wires the REAL components (``Scheduler``, ``ModelRunner``, ``Sampler``,
-KV caches sized from a byte budget, the attention backend the selector picks: FlashInfer on CUDA
-when installed) around a :class:`LlamaForCausalLM` whose weights are generated directly on the
-device, one tensor at a time (no host copy of an 8B state dict). Prompts are token ids, so no
-tokenizer is involved: :class:`SyntheticEngine` has ``add_request`` / ``step`` like
-``LLMEngine`` but returns the scheduler's ``EngineCoreOutput`` s (token ids, no text).
+``build_synthetic_engine`` wires the REAL components (``EngineCore`` around ``Scheduler``,
+``ModelRunner``, ``Sampler``, KV caches sized from a byte budget, the attention backend the
+selector picks: FlashInfer on CUDA when installed) around a :class:`LlamaForCausalLM` whose
+weights are generated directly on the device, one tensor at a time (no host copy of an 8B state
+dict). Prompts are token ids, so no tokenizer is involved: :class:`SyntheticEngine` has
+``add_request`` / ``step`` like ``LLMEngine``; its outputs are DELTA ``RequestOutput`` s (token
+ids, no text).
 
 :class:`OracleProposer` drafts the target's own greedy continuation (recorded by a run without
 speculation) with per-token acceptance probability α: each drafted token is the true next token
@@ -20,9 +21,12 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
+import msgspec
 import torch
 
-from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.engine.api.outputs import RequestOutput
+from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
+from tokenbudget.engine.core.engine_core import EngineCore
 from tokenbudget.engine.core.prompts import make_request
 from tokenbudget.engine.model import build_model
 from tokenbudget.engine.model.config import ModelConfig
@@ -33,7 +37,6 @@ from tokenbudget.engine.worker.kv_cache_alloc import (
 from tokenbudget.engine.worker.model_runner import ModelRunner
 from tokenbudget.engine.worker.sampler import Sampler
 from tokenbudget.scheduler.config import SchedulerConfig
-from tokenbudget.scheduler.output import EngineCoreOutput
 from tokenbudget.scheduler.scheduler import Scheduler
 from tokenbudget.spec.config import SpeculativeConfig
 from tokenbudget.spec.proposer import BaseProposer
@@ -108,47 +111,46 @@ class _RandomStateDict(dict):
         return self._randn(shapes[name])
 
 
-class _IdsOnlyTokenizer:
-    """What ``make_request`` needs from a tokenizer for token-id prompts: no EOS at all."""
-
-    eos_token_id = None
-    eos_token_ids: list[int] = []
-
-
 @dataclass
 class SyntheticEngine:
-    """``LLMEngine.step`` without the output processor (token ids only)."""
+    """An ``EngineCore`` over a random-weight model, fed token-id prompts."""
 
     model_config: ModelConfig
     model: torch.nn.Module
-    scheduler: Scheduler
-    runner: ModelRunner
-    speculator: Speculator
+    core: EngineCore
     device: torch.device
     dtype: torch.dtype
 
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.core.runner
+
+    @property
+    def speculator(self) -> Speculator:
+        return self.core.speculator
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        _, request = make_request(request_id, list(prompt_token_ids), params, 0, _IdsOnlyTokenizer(),
-                                  self.model_config.vocab_size)
-        self.scheduler.add_request(request)
+        params = msgspec.structs.replace(params, output_kind=RequestOutputKind.DELTA)
+        _, request = make_request(request_id, list(prompt_token_ids), params, 0, None, self.model_config.vocab_size)
+        self.core.add_request(request)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.core.has_unfinished_requests()
 
-    def step(self) -> list[EngineCoreOutput]:
-        sched = self.scheduler.schedule()
-        out = self.runner.execute(sched)
-        core = self.scheduler.update_from_output(sched, out)
-        self.speculator.after_step(core, self.scheduler, self.runner)
-        return core
+    def step(self) -> list[RequestOutput]:
+        return self.core.step()
 
     def set_speculator(self, proposer=None, k: int = 0) -> None:
         """Speculation off (``proposer=None``) or ``proposer`` with a fixed k drafts per step."""
         if proposer is None:
-            self.speculator = Speculator()
+            self.core.speculator = Speculator()
         else:
             cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
-            self.speculator = Speculator(cfg, proposer)
+            self.core.speculator = Speculator(cfg, proposer)
 
 
 def build_synthetic_engine(shape: str | ModelConfig = "tiny", device: str | torch.device = "cpu",
@@ -176,7 +178,7 @@ def build_synthetic_engine(shape: str | ModelConfig = "tiny", device: str | torc
                                 enable_prefix_caching=False)
     kv_caches = allocate_kv_caches(cfg, num_blocks, block_size, dtype, device)
     runner = ModelRunner(model, cfg, kv_caches, block_size, Sampler(), device)
-    eng = SyntheticEngine(cfg, model, Scheduler(sched_cfg), runner, Speculator(), device, dtype)
+    eng = SyntheticEngine(cfg, model, EngineCore(Scheduler(sched_cfg), runner), device, dtype)
     if spec_k > 0:
         eng.set_speculator(OracleProposer(acceptance, cfg.vocab_size), spec_k)
     return eng

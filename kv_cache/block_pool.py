@@ -1,15 +1,20 @@
 """The pool of KV blocks: free queue, reference counts and prefix-cache hashes.
 
 A block is *free* when no request references it (``ref_cnt == 0``); free blocks sit in one
-queue ordered for eviction (least recently freed first). A free block may still carry a
-prefix-cache hash: it can be hit again, and taken back out of the free queue, until the pool
-hands it out as a new block, at which point its hash is dropped (eviction).
+queue ordered for eviction (least recently freed first, ``kv_cache.free_queue``). A free block may
+still carry a prefix-cache hash: it can be hit again, and taken back out of the free queue, until
+the pool hands it out as a new block, at which point its hash is dropped (eviction).
+
+While ``journal`` is set (an ``UndoLog``, during a step's scheduling) every change records its
+inverse there; see ``kv_cache.journal`` for what a rollback after a forward pass keeps.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
+
+from tokenbudget.kv_cache.free_queue import FreeBlockQueue
+from tokenbudget.kv_cache.journal import UndoLog
 
 
 @dataclass(slots=True, eq=False)
@@ -18,6 +23,12 @@ class KVBlock:
     ref_cnt: int = 0
     # Chained hash of the block's committed tokens; None while the block is not cacheable.
     block_hash: int | None = None
+    # Links of the free queue (both None while the block is referenced).
+    prev_free: KVBlock | None = None
+    next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref_cnt={self.ref_cnt}, hash={self.block_hash})"
 
 
 class BlockPool:
@@ -29,10 +40,10 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # block_id -> block, in eviction order (front = evicted first).
-        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.free_queue = FreeBlockQueue(self.blocks, KVBlock)
         self.cached: dict[int, KVBlock] = {}
         self.num_evictions = 0
+        self.journal: UndoLog | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -42,15 +53,26 @@ class BlockPool:
         """Take ``n`` blocks from the front of the free queue, evicting their hashes."""
         if n > len(self.free_queue):
             raise ValueError(f"cannot allocate {n} blocks, only {len(self.free_queue)} free")
-        popitem = self.free_queue.popitem
+        popleft, journal = self.free_queue.popleft, self.journal
         out = []
         for _ in range(n):
-            _, block = popitem(last=False)
-            if block.block_hash is not None:
+            block = popleft()
+            evicted = block.block_hash
+            if evicted is not None:
                 self._evict(block)
             block.ref_cnt = 1
+            if journal is not None:
+                journal.record(self._undo_new, block, evicted)
             out.append(block)
         return out
+
+    def _undo_new(self, dirty: bool, block: KVBlock, evicted: int | None) -> None:
+        block.ref_cnt = 0
+        self.free_queue.restore_front(block)
+        if evicted is not None and not dirty and evicted not in self.cached:
+            block.block_hash = evicted
+            self.cached[evicted] = block
+            self.num_evictions -= 1
 
     def _evict(self, block: KVBlock) -> None:
         if self.cached.get(block.block_hash) is block:
@@ -60,10 +82,17 @@ class BlockPool:
 
     def touch(self, blocks: list[KVBlock]) -> None:
         """Add a reference to each block (a prefix-cache hit), taking free ones out of the queue."""
+        journal = self.journal
         for block in blocks:
-            if block.ref_cnt == 0:
-                del self.free_queue[block.block_id]
+            prev = self.free_queue.remove(block) if block.ref_cnt == 0 else None
             block.ref_cnt += 1
+            if journal is not None:
+                journal.record(self._undo_touch, block, prev)
+
+    def _undo_touch(self, dirty: bool, block: KVBlock, prev: KVBlock | None) -> None:
+        block.ref_cnt -= 1
+        if prev is not None:
+            self.free_queue.restore_after(block, prev)
 
     def free_blocks(self, blocks) -> None:
         """Drop one reference from each block; blocks reaching zero join the back of the queue.
@@ -71,12 +100,19 @@ class BlockPool:
         Callers pass a request's blocks tail first, so that a request's last blocks (least
         likely to be shared) are evicted before its first ones.
         """
-        queue = self.free_queue
+        append, journal = self.free_queue.append, self.journal
         for block in blocks:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"block {block.block_id} freed more often than referenced"
             if block.ref_cnt == 0:
-                queue[block.block_id] = block
+                append(block)
+            if journal is not None:
+                journal.record(self._undo_free, block)
+
+    def _undo_free(self, dirty: bool, block: KVBlock) -> None:
+        if block.ref_cnt == 0:
+            self.free_queue.unlink_back(block)
+        block.ref_cnt += 1
 
     def lookup(self, block_hash: int) -> KVBlock | None:
         return self.cached.get(block_hash)
@@ -100,8 +136,10 @@ class BlockPool:
         return True
 
     def check_integrity(self) -> None:
+        queue = self.free_queue
+        assert len(set(queue)) == len(queue), "a block is in the free queue twice"
         for block in self.blocks:
-            in_queue = block.block_id in self.free_queue
+            in_queue = block.block_id in queue
             assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
             assert in_queue == (block.ref_cnt == 0), (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but in_free_queue={in_queue}")

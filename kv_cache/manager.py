@@ -9,6 +9,9 @@ and ``num_computed_tokens``. What it guarantees:
 * Only full blocks of computed, committed tokens are ever hashed: a hashed block never holds a
   draft, and a prefix-cache hit never covers a request's last token (it is always recomputed,
   because the step needs its logits).
+
+While ``journal`` is set (``set_journal``, during a step's scheduling) block-table changes record
+their inverses, as the pool's do (``kv_cache.journal``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 
 from tokenbudget.kv_cache.block_pool import BlockPool, KVBlock
 from tokenbudget.kv_cache.hashing import extend_block_hashes
+from tokenbudget.kv_cache.journal import UndoLog
 
 
 @dataclass(slots=True)
@@ -42,8 +46,12 @@ class KVCacheManager:
         self.req_block_ids: dict[str, list[int]] = {}
         self.req_hashes: dict[str, list[int]] = {}
         self.req_num_cached: dict[str, int] = {}
-        self.prefix_queries = 0  # tokens looked up
-        self.prefix_hits = 0  # tokens found
+        self.prefix_queries = 0  # prompt tokens of admitted requests
+        self.prefix_hits = 0  # of those, tokens served from the cache
+        self.journal: UndoLog | None = None
+
+    def set_journal(self, journal: UndoLog | None) -> None:
+        self.journal = self.pool.journal = journal
 
     # ------------------------------------------------------------------ queries
     @property
@@ -69,7 +77,8 @@ class KVCacheManager:
         """Longest run of cached full blocks at the start of the request's committed tokens.
 
         Never the whole sequence: at most ``(num_tokens - 1) // block_size`` blocks, so the last
-        token is always recomputed. Takes no reference; ``allocate_slots`` does.
+        token is always recomputed. Takes no reference and counts nothing: ``allocate_slots``
+        takes the references, ``record_prefix_lookup`` counts an admission that happened.
         """
         if not self.enable_prefix_caching:
             return [], 0
@@ -84,9 +93,17 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += len(tokens)
-        self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (hit rate = hits / queries)."""
+        if self.journal is not None:
+            self.journal.record(self._undo_counters, self.prefix_queries, self.prefix_hits)
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def _undo_counters(self, dirty: bool, queries: int, hits: int) -> None:
+        self.prefix_queries, self.prefix_hits = queries, hits
 
     # ------------------------------------------------------------------ allocation
     def allocate_slots(self, request, num_new_tokens: int, num_lookahead_tokens: int = 0,
@@ -119,6 +136,9 @@ class KVCacheManager:
         revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if num_hits else 0
         if num_needed > pool.num_free_blocks - revived:
             return None
+        if self.journal is not None:
+            self.journal.record(self._undo_allocate, rid, num_held if held is not None else None,
+                                self.req_num_cached.get(rid, 0))
         if held is None:
             held = self.req_blocks[rid] = []
             self.req_block_ids[rid] = []
@@ -134,6 +154,14 @@ class KVCacheManager:
             held.extend(new)
             ids.extend(b.block_id for b in new)
         return ids
+
+    def _undo_allocate(self, dirty: bool, rid: str, num_held: int | None, num_cached: int) -> None:
+        """Table side of an allocation (the pool's own records give the blocks back)."""
+        if num_held is None:
+            del self.req_blocks[rid], self.req_block_ids[rid], self.req_num_cached[rid]
+        else:
+            del self.req_blocks[rid][num_held:], self.req_block_ids[rid][num_held:]
+            self.req_num_cached[rid] = num_cached
 
     def rewind(self, request, num_lookahead_tokens: int = 0) -> int:
         """Free tail blocks beyond ``num_computed_tokens + num_lookahead_tokens``; returns how many."""
@@ -178,12 +206,18 @@ class KVCacheManager:
         """Release every block of the request (tail first) and forget it."""
         rid = request.request_id
         held = self.req_blocks.pop(rid, None)
-        self.req_block_ids.pop(rid, None)
-        self.req_num_cached.pop(rid, None)
-        self.req_hashes.pop(rid, None)
+        ids = self.req_block_ids.pop(rid, None)
+        num_cached = self.req_num_cached.pop(rid, None)
+        hashes = self.req_hashes.pop(rid, None)
+        if self.journal is not None and held is not None:
+            self.journal.record(self._undo_free, rid, held, ids, num_cached, hashes)
         if held:
-            held.reverse()
-            self.pool.free_blocks(held)
+            self.pool.free_blocks(held[::-1])
+
+    def _undo_free(self, dirty: bool, rid: str, held, ids, num_cached, hashes) -> None:
+        self.req_blocks[rid], self.req_block_ids[rid], self.req_num_cached[rid] = held, ids, num_cached
+        if hashes is not None:
+            self.req_hashes[rid] = hashes
 
     # ------------------------------------------------------------------ checks
     def num_blocks_held(self, request_id: str) -> int:

@@ -23,7 +23,7 @@ def check_scheduler_integrity(sched) -> None:
         rid = r.request_id
         assert sched.requests.get(rid) is r and r.status == RequestStatus.RUNNING
         c = r.num_computed_tokens
-        if not sched._in_step:
+        if not sched.in_step:
             # Invariant 3: between steps nothing past the committed tokens is computed.
             assert 0 <= c <= r.num_tokens - 1, f"{rid}: num_computed_tokens {c} vs {r.num_tokens} tokens"
         assert r.num_tokens <= cfg.max_model_len, f"{rid}: running past max_model_len"

@@ -1,35 +1,54 @@
-"""Typed messages at the step boundaries: scheduler -> runner -> scheduler -> engine."""
+"""Typed messages at the step boundaries: scheduler -> runner -> scheduler -> engine.
+
+The step contract is immutable: the runner and sampler see a request only as a frozen
+``ScheduledRequest`` built when it was scheduled, never the live ``Request`` (which a rollback or
+an abort may change while they run). Everything they need travels in it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from tokenbudget.scheduler.request import Request
+import msgspec
+
+from tokenbudget.scheduler.request import FINISH_REASONS, RequestStatus
 
 
-@dataclass(slots=True)
-class ScheduledRequest:
+class ScheduledRequest(msgspec.Struct, frozen=True, gc=False):
     """What one request runs this step.
 
     The runner computes positions ``[num_computed_tokens, num_computed_tokens + num_tokens)``
     whose token ids are ``token_ids`` (the last ``len(spec_token_ids)`` of them are drafts).
     Logits are needed only when the chunk reaches the end of the committed tokens
     (``needs_sample``): at the last committed position and at every draft position.
-    ``block_ids`` is the request's whole block table after allocation (shared list; read only).
+    ``block_ids`` is the request's block table after allocation: the scheduler's own list, not a
+    copy (a decode step would otherwise copy every table); it changes only in the commit or the
+    rollback that follow the runner. Read it, never write it.
+
+    For sampling: ``params`` (``SamplingParams``, or None for greedy), ``seed`` (keys the
+    request's random numbers), ``num_output_tokens`` (committed outputs before this step: row j of
+    a verify predicts output number ``num_output_tokens + j``), ``banned_token_ids`` (forbidden
+    while the request is short of ``min_tokens``) and ``spec_probs`` (the drafter's ``[k, V]``
+    probabilities of the scheduled drafts, or None: q(x) = 1 for the drafted token).
     """
 
-    request: Request
+    request_id: str
     num_computed_tokens: int
-    num_tokens: int
     token_ids: list[int]
     spec_token_ids: list[int]
     block_ids: list[int]
     is_new: bool
     needs_sample: bool
+    params: Any = None
+    seed: int = 0
+    num_output_tokens: int = 0
+    banned_token_ids: tuple[int, ...] = ()
+    spec_probs: Any = None
 
     @property
-    def request_id(self) -> str:
-        return self.request.request_id
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass(slots=True)
@@ -38,9 +57,8 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
-    # Requests that left the running set since the previous step (runner may drop their state).
+    # Requests preempted by this step's scheduling (they left the running set; KV freed).
     preempted_request_ids: list[str] = field(default_factory=list)
-    finished_request_ids: list[str] = field(default_factory=list)
     num_lookahead_tokens: int = 0
 
     @property
@@ -64,16 +82,22 @@ class ModelRunnerOutput:
 
 @dataclass(slots=True)
 class EngineCoreOutput:
-    """What a step did for one request, returned by ``Scheduler.update_from_output``."""
+    """What a step does for one request: ``Scheduler.plan_update`` builds it without changing
+    anything, the output processor may end the request at a stop string (``finish_status``,
+    ``stop_reason``, fewer ``new_token_ids``), and ``Scheduler.apply_update`` commits it."""
 
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | None = None
+    finish_status: RequestStatus | None = None
+    stop_reason: int | str | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     new_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.finish_status is not None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.finish_status) if self.finish_status is not None else None

@@ -3,6 +3,9 @@
 FCFS: arrival order, except that a preempted request goes back to the head.
 Priority: smallest ``(priority, arrival_index)`` first; a preempted request keeps its key, so it
 comes back in its rightful place.
+
+``remove`` returns where the request was and ``restore`` puts it back there (the undo of a
+step that took a request out of the middle of the queue).
 """
 
 from __future__ import annotations
@@ -30,8 +33,13 @@ class FCFSQueue:
     def pop(self) -> Request:
         return self._q.popleft()
 
-    def remove(self, request: Request) -> None:
-        self._q.remove(request)
+    def remove(self, request: Request) -> int:
+        index = self._q.index(request)
+        del self._q[index]
+        return index
+
+    def restore(self, index: int, request: Request) -> None:
+        self._q.insert(index, request)
 
     def __len__(self) -> int:
         return len(self._q)
@@ -58,6 +66,9 @@ class PriorityQueue:
     def remove(self, request: Request) -> None:
         self._heap = [e for e in self._heap if e[2] is not request]
         heapq.heapify(self._heap)
+
+    def restore(self, index: None, request: Request) -> None:
+        self.add(request)  # the key alone fixes the place
 
     def __len__(self) -> int:
         return len(self._heap)

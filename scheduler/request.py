@@ -1,8 +1,12 @@
 """The scheduler's view of one request.
 
 The only scheduling state is ``all_token_ids`` (prompt + output), ``spec_token_ids`` (drafts for
-the next step) and ``num_computed_tokens`` (positions whose KV is in the cache). Everything else
-here is either immutable input (limits, priority) or bookkeeping for outputs and metrics.
+the next step, with the drafter's probabilities in ``spec_probs`` when it has them) and
+``num_computed_tokens`` (positions whose KV is in the cache). Everything else here is immutable
+input (limits, priority, sampling parameters and seed) or bookkeeping read by outputs.
+
+``spec_token_ids`` and ``spec_probs`` are always *replaced*, never mutated in place: a step's
+journal keeps the old list and puts it back on rollback.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
 
     @property
     def is_finished(self) -> bool:
@@ -29,6 +34,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -36,8 +42,10 @@ FINISH_REASONS = {
 class Request:
     """One request inside the scheduler.
 
-    ``sampling_params`` is opaque to the scheduler (the runner and sampler read it); the stop
-    criteria the scheduler applies are copied into plain fields at construction.
+    ``sampling_params`` is opaque to the scheduler (the runner and sampler read it from the step's
+    ``ScheduledRequest``); the stop criteria the scheduler applies are copied into plain fields at
+    construction. ``seed`` keys the request's random numbers (``params.seed``, or one the engine
+    drew at admission), so a request's tokens depend on nothing but its own history.
     """
 
     request_id: str
@@ -50,22 +58,19 @@ class Request:
     priority: int = 0
     arrival_index: int = 0
     sampling_params: Any = None
+    seed: int = 0
     # Per-request speculation cap (None = engine default, 0 = never speculate).
     max_spec_tokens: int | None = None
 
     all_token_ids: list[int] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: Any = None  # [len(spec_token_ids), V] drafter probabilities, or None
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None
     # Prompt tokens served from the prefix cache at the last admission.
     num_cached_tokens: int = 0
     num_preemptions: int = 0
-    # Speculation counters for this request.
-    num_draft_steps: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -91,6 +96,21 @@ class Request:
     @property
     def num_tokens_with_spec(self) -> int:
         return len(self.all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        """Every committed token but the last has KV: the next step samples (or verifies drafts)."""
+        return self.num_computed_tokens == len(self.all_token_ids) - 1
+
+    @property
+    def min_tokens_banned(self) -> tuple[int, ...]:
+        """Token ids the sampler must forbid while fewer than ``min_tokens`` outputs exist."""
+        if self.num_output_tokens >= self.min_tokens:
+            return ()
+        banned = set(self.stop_token_ids)
+        if self.eos_token_id is not None and not self.ignore_eos:
+            banned.add(self.eos_token_id)
+        return tuple(sorted(banned))
 
     @property
     def is_finished(self) -> bool:

@@ -4,28 +4,34 @@ There is no prefill phase and no decode phase. Each step gives every request
 ``n = min(num_tokens_with_spec - num_computed_tokens, budget left, max_model_len limit)``
 tokens, running requests first (in policy order), then waiting ones, until the token budget or
 ``max_num_seqs`` is spent. ``num_computed_tokens`` advances optimistically when a request is
-scheduled (drafts included) and rolls back by the number of rejected drafts in
-``update_from_output``, whose KV blocks are then returned to the pool.
+scheduled (drafts included) and rolls back by the number of rejected drafts when the step is
+committed, whose KV blocks are then returned to the pool.
+
+A step is a transaction (``engine.core.engine_core`` drives it):
+
+    begin_step()  ->  add_drafts(batch)  ->  schedule()  ->  plan_update(sched, out)  ->  apply_update(plan)
+                      \\______________ journaled; rollback_step(dirty) undoes _______/     commit: cannot fail
+
+``plan_update`` changes nothing (it works out what the step will commit, so that everything that
+can fail happens before anything is committed); ``apply_update`` commits. Between steps,
+``add_request`` and ``finish_request`` (abort, error) change the queues.
 """
 
 from __future__ import annotations
 
 from bisect import insort
+from collections.abc import Collection
 from operator import attrgetter
-from typing import Iterable, Mapping
 
+from tokenbudget.kv_cache.journal import UndoLog
 from tokenbudget.kv_cache.manager import KVCacheManager
 from tokenbudget.scheduler.config import SchedulerConfig
+from tokenbudget.scheduler.drafts import DraftBatch, draft_limit
 from tokenbudget.scheduler.integrity import check_scheduler_integrity
-from tokenbudget.scheduler.output import (
-    EngineCoreOutput,
-    ModelRunnerOutput,
-    ScheduledRequest,
-    SchedulerOutput,
-)
+from tokenbudget.scheduler.output import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenbudget.scheduler.queues import make_queue
 from tokenbudget.scheduler.request import Request, RequestStatus
-from tokenbudget.scheduler.stop import append_and_check_stop
+from tokenbudget.scheduler.stop import check_stop
 from tokenbudget.scheduler.validation import validate_new_request
 
 RUNNING = RequestStatus.RUNNING
@@ -43,17 +49,13 @@ class Scheduler:
         self._key = (attrgetter("priority", "arrival_index") if config.policy == "priority"
                      else attrgetter("arrival_index"))
         self._next_arrival = 0
-        self._finished_pending: list[str] = []
-        # Requests that finished or were aborted, for components that keep per-request state
-        # (drafters, output processors); drained with ``pop_finished_requests``.
-        self._finished_requests: list[Request] = []
-        self._preempted_pending: list[str] = []
-        self._in_step = False
+        self._journal: UndoLog | None = None  # set while a step is open
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ValueError (changing nothing) on a bad one."""
+        assert self._journal is None, "add_request inside a step"
         validate_new_request(request, self.config, self.requests, self.kv)
         request.arrival_index = self._next_arrival
         self._next_arrival += 1
@@ -61,29 +63,27 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> None:
-        """Abort requests by id; unknown or already finished ids are ignored."""
-        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            request = self.requests.get(rid)
-            if request is None:
-                continue
-            if request.status == RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
-            request.status = RequestStatus.FINISHED_ABORTED
-            self._finish(request)
+    def finish_request(self, request_id: str, status: RequestStatus,
+                       stop_reason: int | str | None = None) -> Request | None:
+        """End a request between steps (abort, error): its blocks return to the pool at once.
+        Returns the request, or None for an unknown id."""
+        assert self._journal is None, "finish_request inside a step"
+        assert status.is_finished
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status, request.stop_reason = status, stop_reason
+        self._release(request)
+        return request
 
-    def _finish(self, request: Request) -> None:
+    def _release(self, request: Request) -> None:
         self.kv.free(request)
-        request.spec_token_ids = []
+        request.spec_token_ids, request.spec_probs = [], None
         del self.requests[request.request_id]
-        self._finished_pending.append(request.request_id)
-        self._finished_requests.append(request)
-
-    def pop_finished_requests(self) -> list[Request]:
-        done, self._finished_requests = self._finished_requests, []
-        return done
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -91,30 +91,70 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
-    # ------------------------------------------------------------------ one step
-    def schedule(self) -> SchedulerOutput:
+    def decoding_requests(self, only: Collection[str] | None = None) -> list[Request]:
+        """Running requests whose next step samples, that may speculate (``only``: among these ids)."""
+        return [r for r in self.running
+                if r.num_computed_tokens == len(r.all_token_ids) - 1 and r.max_spec_tokens != 0
+                and (only is None or r.request_id in only)]
+
+    # ------------------------------------------------------------------ one step: journaled part
+    def begin_step(self) -> None:
+        assert self._journal is None, "a step is already open"
+        self._journal = UndoLog()
+        self.kv.set_journal(self._journal)
+
+    def add_drafts(self, batch: DraftBatch) -> None:
+        """Set next step's drafts (and their probabilities), each cut to ``draft_limit``."""
+        max_model_len = self.config.max_model_len
+        probs = batch.probs if batch.probs is not None else [None] * len(batch.request_ids)
+        changed: list[Request] = []
+        kept: dict[int, tuple[list[int], object]] = {}  # only the requests that had drafts already
+        for rid, tokens, q in zip(batch.request_ids, batch.token_ids, probs):
+            request = self.requests.get(rid)
+            if request is None or request.status != RUNNING:
+                continue
+            n = min(len(tokens), draft_limit(request, max_model_len))
+            if request.spec_token_ids or request.spec_probs is not None:
+                kept[id(request)] = (request.spec_token_ids, request.spec_probs)
+            changed.append(request)
+            request.spec_token_ids = list(tokens[:n])
+            request.spec_probs = q[:n] if q is not None and n else None
+        self._journal.record(self._undo_drafts, changed, kept)
+
+    @staticmethod
+    def _undo_drafts(dirty: bool, changed: list[Request], kept: dict) -> None:
+        for request in changed:
+            request.spec_token_ids, request.spec_probs = kept.get(id(request), ([], None))
+
+    def schedule(self, only: Collection[str] | None = None) -> SchedulerOutput:
+        """This step's batch. ``only``: schedule just these request ids (fault isolation)."""
+        journal = self._journal
+        assert journal is not None, "schedule() outside begin_step()"
         cfg = self.config
-        kv = self.kv
         lookahead = cfg.num_lookahead_tokens
         budget = cfg.max_num_batched_tokens
-        out = SchedulerOutput(finished_request_ids=self._finished_pending, num_lookahead_tokens=lookahead)
-        self._finished_pending = []
+        out = SchedulerOutput(num_lookahead_tokens=lookahead)
         scheduled = out.scheduled
+        journal.record(self._undo_advances, scheduled)  # filled below; one record for them all
         running = self.running
         preempted = False
         # Hot loop: n = min(tokens with drafts - computed, budget, max_model_len room, threshold),
         # then the body of _advance, inlined for speed (this loop runs once per running request).
         max_model_len = cfg.max_model_len
         threshold = cfg.long_prefill_token_threshold
-        allocate_slots = kv.allocate_slots
+        allocate_slots = self.kv.allocate_slots
         append = scheduled.append
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
+            if only is not None and request.request_id not in only:
+                i += 1
+                continue
             computed = request.num_computed_tokens
             all_ids = request.all_token_ids
             num_committed = len(all_ids)
-            n = num_committed + len(request.spec_token_ids) - computed
+            spec_ids = request.spec_token_ids
+            n = num_committed + len(spec_ids) - computed
             if n > budget:
                 n = budget
             if n > max_model_len - computed:
@@ -125,7 +165,7 @@ class Scheduler:
             block_ids = allocate_slots(request, n, lookahead)
             while block_ids is None:
                 victim = running[-1]
-                self._preempt(victim)
+                self._preempt(victim, out)
                 preempted = True
                 if victim is request:
                     break
@@ -133,37 +173,52 @@ class Scheduler:
             if block_ids is None:
                 break
             end = computed + n
-            if end <= num_committed:
-                spec: list[int] = []
-                token_ids = all_ids[computed:end]
+            if end < num_committed:  # a prefill chunk that does not reach the end: nothing to sample
+                append(ScheduledRequest(request.request_id, computed, all_ids[computed:end], [], block_ids,
+                                        False, False, request.sampling_params, request.seed))
             else:
-                spec = request.spec_token_ids[:end - num_committed]
-                token_ids = all_ids[computed:] + spec
+                spec = spec_ids[:end - num_committed]
+                num_output = num_committed - len(request.prompt_token_ids)
+                append(ScheduledRequest(
+                    request.request_id, computed, all_ids[computed:] + spec, spec, block_ids, False, True,
+                    request.sampling_params, request.seed, num_output,
+                    request.min_tokens_banned if num_output < request.min_tokens else (),
+                    request.spec_probs[:len(spec)] if spec and request.spec_probs is not None else None))
             request.num_computed_tokens = end
-            append(ScheduledRequest(request, computed, n, token_ids, spec, block_ids, False, end >= num_committed))
             budget -= n
             i += 1
         if not preempted:
-            budget = self._admit_waiting(budget, scheduled)
+            budget = self._admit_waiting(budget, scheduled, only)
         out.total_num_scheduled_tokens = cfg.max_num_batched_tokens - budget
-        out.preempted_request_ids = self._preempted_pending
-        self._preempted_pending = []
-        self._in_step = True
         return out
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+    def _undo_advances(self, dirty: bool, scheduled: list[ScheduledRequest]) -> None:
+        """Running requests scheduled this step go back to their computed counts (admitted ones
+        are undone by their own records)."""
+        requests = self.requests
+        for sr in scheduled:
+            if not sr.is_new:
+                requests[sr.request_id].num_computed_tokens = sr.num_computed_tokens
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest],
+                       only: Collection[str] | None) -> int:
         cfg, kv, waiting, running = self.config, self.kv, self.waiting, self.running
-        while len(waiting) and budget > 0 and len(running) < cfg.max_num_seqs:
-            request = waiting.peek()
+        candidates = _heads(waiting) if only is None else [r for r in waiting if r.request_id in only]
+        for request in candidates:
+            if budget <= 0 or len(running) >= cfg.max_num_seqs:
+                break
             hits, num_hit = kv.get_computed_blocks(request)
-            request.num_computed_tokens = 0
-            n = min(request.num_tokens - num_hit, budget)
-            if cfg.long_prefill_token_threshold:
-                n = min(n, cfg.long_prefill_token_threshold)
+            n = request.num_tokens - num_hit
+            if n > budget:
+                n = budget
+            if cfg.long_prefill_token_threshold and n > cfg.long_prefill_token_threshold:
+                n = cfg.long_prefill_token_threshold
             block_ids = kv.allocate_slots(request, n, cfg.num_lookahead_tokens, hits, num_hit)
             if block_ids is None:
                 break
-            waiting.pop()
+            kv.record_prefix_lookup(request.num_tokens, num_hit)
+            position = waiting.remove(request) if only is not None else _pop_head(waiting)
+            self._journal.record(self._undo_admit, request, position, request.status, request.num_cached_tokens)
             request.status = RUNNING
             request.num_computed_tokens = num_hit
             request.num_cached_tokens = num_hit
@@ -172,6 +227,11 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _undo_admit(self, dirty: bool, request: Request, position, status: RequestStatus, num_cached: int) -> None:
+        self.running.remove(request)
+        request.status, request.num_computed_tokens, request.num_cached_tokens = status, 0, num_cached
+        self.waiting.restore(position, request)
+
     @staticmethod
     def _advance(request: Request, n: int, block_ids: list[int], is_new: bool) -> ScheduledRequest:
         """Record the scheduled chunk and advance ``num_computed_tokens`` optimistically."""
@@ -179,97 +239,131 @@ class Scheduler:
         end = start + n
         all_ids = request.all_token_ids
         num_committed = len(all_ids)
-        if end <= num_committed:
-            spec: list[int] = []
-            token_ids = all_ids[start:end]
-        else:
-            spec = request.spec_token_ids[:end - num_committed]
-            token_ids = all_ids[start:] + spec
         request.num_computed_tokens = end
-        return ScheduledRequest(request, start, n, token_ids, spec, block_ids, is_new, end >= num_committed)
+        if end < num_committed:
+            return ScheduledRequest(request.request_id, start, all_ids[start:end], [], block_ids, is_new, False,
+                                    request.sampling_params, request.seed)
+        spec = request.spec_token_ids[:end - num_committed]
+        num_output = num_committed - len(request.prompt_token_ids)
+        return ScheduledRequest(
+            request.request_id, start, all_ids[start:] + spec, spec, block_ids, is_new, True,
+            request.sampling_params, request.seed, num_output,
+            request.min_tokens_banned if num_output < request.min_tokens else (),
+            request.spec_probs[:len(spec)] if spec and request.spec_probs is not None else None)
 
-    def _preempt(self, request: Request) -> None:
-        """Recompute later: free every block, forget computed KV and drafts, back to the queue head."""
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Recompute later: free every block, forget computed KV and drafts, back to the queue head.
+
+        Journaled as one group: a rollback after a forward pass keeps the preemption (the freed
+        blocks may hold that pass's KV now), any other rollback undoes it whole."""
+        group = UndoLog()
+        self._journal.record(self._undo_preempt, request, group, request.status, request.num_computed_tokens,
+                             request.spec_token_ids, request.spec_probs)
+        self.kv.set_journal(group)
         self.running.remove(request)
         self.kv.free(request)
+        self.kv.set_journal(self._journal)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.spec_token_ids = []
+        request.spec_token_ids, request.spec_probs = [], None
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
-        self._preempted_pending.append(request.request_id)
+        out.preempted_request_ids.append(request.request_id)
 
-    def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Commit sampled tokens, roll back rejected drafts, rewind their blocks, apply stops."""
-        self._in_step = False
-        kv = self.kv
-        lookahead = self.config.num_lookahead_tokens
+    def _undo_preempt(self, dirty: bool, request: Request, group: UndoLog, status, computed, spec, probs) -> None:
+        if dirty:
+            return
+        self.waiting.remove(request)
+        group.rollback(dirty)
+        request.status, request.num_computed_tokens = status, computed
+        request.spec_token_ids, request.spec_probs = spec, probs
+        request.num_preemptions -= 1
+        self.num_preemptions -= 1
+        insort(self.running, request, key=self._key)
+
+    def rollback_step(self, dirty: bool) -> None:
+        """Undo everything since ``begin_step`` (see ``kv_cache.journal`` for ``dirty``)."""
+        journal = self._journal
+        assert journal is not None, "no step to roll back"
+        self.kv.set_journal(None)
+        self._journal = None
+        journal.rollback(dirty)
+
+    # ------------------------------------------------------------------ one step: plan and commit
+    def plan_update(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """What committing the runner's output would do, one entry per scheduled request (in
+        order), changing nothing. Raises RuntimeError on a malformed runner output."""
+        sampled = output.sampled_token_ids
+        if len(sampled) != len(sched.scheduled):
+            raise RuntimeError(f"runner returned {len(sampled)} results for {len(sched.scheduled)} requests")
         max_model_len = self.config.max_model_len
         logprobs = output.logprobs
-        outputs: list[EngineCoreOutput] = []
-        any_finished = False
-        cache_blocks = kv.cache_blocks
-        append = outputs.append
-        for idx, (sr, tokens) in enumerate(zip(sched.scheduled, output.sampled_token_ids)):
-            request = sr.request
-            if request.status != RUNNING:
-                continue  # aborted while the step ran
+        plan: list[EngineCoreOutput] = []
+        for idx, (sr, tokens) in enumerate(zip(sched.scheduled, sampled)):
             if not tokens:
-                assert not sr.needs_sample, f"{request.request_id}: no token sampled at the end of its chunk"
-                cache_blocks(request)
+                if sr.needs_sample:
+                    raise RuntimeError(f"{sr.request_id}: no token sampled at the end of its chunk")
+                plan.append(EngineCoreOutput(sr.request_id, []))
                 continue
             num_drafts = len(sr.spec_token_ids)
-            num_tokens = len(tokens)
-            num_accepted = num_tokens - 1
-            assert 0 <= num_accepted <= num_drafts, f"{request.request_id}: {num_tokens} tokens for {num_drafts} drafts"
-            if num_drafts:
+            num_accepted = len(tokens) - 1
+            if not sr.needs_sample or not 0 <= num_accepted <= num_drafts \
+                    or tokens[:num_accepted] != sr.spec_token_ids[:num_accepted]:
+                raise RuntimeError(f"{sr.request_id}: runner returned {tokens} for drafts {sr.spec_token_ids}")
+            n, status, reason = check_stop(self.requests[sr.request_id], tokens, max_model_len)
+            lps = logprobs[idx] if logprobs is not None else None
+            plan.append(EngineCoreOutput(sr.request_id, tokens if n == len(tokens) else tokens[:n], status,
+                                         reason, num_drafts, num_accepted, lps[:n] if lps is not None else None))
+        return plan
+
+    def apply_update(self, sched: SchedulerOutput, plan: list[EngineCoreOutput]) -> list[Request]:
+        """Commit the step: append tokens, roll back rejected drafts and rewind their blocks, cache
+        full blocks, finish requests. Returns the requests that finished (already released)."""
+        self.kv.set_journal(None)
+        self._journal = None
+        kv = self.kv
+        lookahead = self.config.num_lookahead_tokens
+        requests = self.requests
+        finished: list[Request] = []
+        for sr, entry in zip(sched.scheduled, plan):
+            request = requests[sr.request_id]
+            if not sr.needs_sample:  # a partial prefill chunk
+                kv.cache_blocks(request)
+                continue
+            num_drafts, num_accepted = entry.num_draft_tokens, entry.num_accepted_tokens
+            if num_drafts != num_accepted:
                 request.num_computed_tokens -= num_drafts - num_accepted
-                # per-request acceptance counters (inlined: hot path)
-                request.num_draft_steps += 1
-                request.num_draft_tokens += num_drafts
-                request.num_accepted_tokens += num_accepted
-                per_pos = request.accepted_per_pos
-                if len(per_pos) < num_drafts:
-                    per_pos.extend([0] * (num_drafts - len(per_pos)))
-                for j in range(num_accepted):
-                    per_pos[j] += 1
-            request.spec_token_ids = []
-            n = append_and_check_stop(request, tokens, max_model_len)
-            new_tokens = tokens if n == num_tokens else tokens[:n]
-            out = EngineCoreOutput(request.request_id, new_tokens, None, None, num_drafts, num_accepted,
-                                   logprobs[idx][:n] if logprobs is not None and logprobs[idx] is not None else None)
-            if request.status != RUNNING:
-                out.finish_reason = request.finish_reason
-                out.stop_reason = request.stop_reason
-                self._finish(request)
-                any_finished = True
+            request.spec_token_ids, request.spec_probs = [], None
+            request.all_token_ids.extend(entry.new_token_ids)
+            if entry.finish_status is not None:
+                request.status, request.stop_reason = entry.finish_status, entry.stop_reason
+                finished.append(request)
+                self._release(request)
             else:
                 if num_drafts != num_accepted:
                     kv.rewind(request, lookahead)
-                cache_blocks(request)
-            append(out)
-        if any_finished:
+                kv.cache_blocks(request)
+        if finished:
             self.running = [r for r in self.running if r.status == RUNNING]
-        return outputs
-
-    def update_draft_token_ids(self, drafts: Mapping[str, list[int]]) -> None:
-        """Set next step's drafts, clipped so a verify never runs past ``max_model_len`` nor
-        proposes more tokens than ``max_tokens`` leaves room for (the verify adds one more)."""
-        max_model_len = self.config.max_model_len
-        requests = self.requests
-        for rid, tokens in drafts.items():
-            request = requests.get(rid)
-            if request is None or request.status != RUNNING:
-                continue
-            num_tokens = len(request.all_token_ids)
-            room = min(max_model_len - num_tokens,
-                       request.max_tokens - (num_tokens - len(request.prompt_token_ids)) - 1)
-            if request.max_spec_tokens is not None:
-                room = min(room, request.max_spec_tokens)
-            request.spec_token_ids = list(tokens[:max(room, 0)])
+        return finished
 
     # ------------------------------------------------------------------ checks
+    @property
+    def in_step(self) -> bool:
+        return self._journal is not None
+
     def check_integrity(self) -> None:
-        """Assert DESIGN.md invariants 3, 4, 5, 6 on the current state (tests call it every step)."""
+        """Assert the design's invariants 3, 4, 5, 6 on the current state (tests call it every step)."""
         check_scheduler_integrity(self)
+
+
+def _heads(waiting):
+    """The waiting queue's head, again and again, while the caller keeps admitting."""
+    while len(waiting):
+        yield waiting.peek()
+
+
+def _pop_head(waiting) -> int:
+    waiting.pop()
+    return 0

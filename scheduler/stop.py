@@ -1,41 +1,36 @@
-"""Stop conditions applied as each committed token is appended."""
+"""Stop conditions for the tokens a step is about to commit (a pure function: no state changes)."""
 
 from __future__ import annotations
 
 from tokenbudget.scheduler.request import Request, RequestStatus
 
 
-def append_and_check_stop(request: Request, tokens: list[int], max_model_len: int) -> int:
-    """Append ``tokens`` one by one, stopping at the first that ends the request.
+def check_stop(request: Request, tokens: list[int], max_model_len: int) -> tuple[int, RequestStatus | None, int | None]:
+    """How many of ``tokens`` the request keeps, and whether they finish it.
 
-    Returns how many tokens were appended. On a stop, ``request.status`` becomes FINISHED_*
-    (and ``stop_reason`` names a matched stop token id); later tokens are discarded.
-    Order of checks per token: EOS / stop token (after ``min_tokens``), then ``max_tokens``,
-    then ``max_model_len``.
+    Returns ``(n, status, stop_reason)``: the first ``n`` tokens are committed; ``status`` is
+    FINISHED_STOPPED / FINISHED_LENGTH when the n-th token ends the request (``stop_reason`` names a
+    matched stop token id), else None and ``n == len(tokens)``. Order of checks per token: EOS /
+    stop token (after ``min_tokens``), then ``max_tokens``, then ``max_model_len``.
     """
-    all_ids = request.all_token_ids
     num_prompt = len(request.prompt_token_ids)
+    num_before = len(request.all_token_ids)
     eos = None if request.ignore_eos else request.eos_token_id
     stop_ids = request.stop_token_ids
     # Fast path (the common decode step): no token can stop the request and the lengths stay
-    # below both limits after the last token, so no per-token check could fire; append at once.
-    num_after = len(all_ids) + len(tokens)
+    # below both limits after the last token, so no per-token check could fire.
+    num_after = num_before + len(tokens)
     if (num_after - num_prompt < request.max_tokens and num_after < max_model_len
             and (eos is None or eos not in tokens) and (not stop_ids or stop_ids.isdisjoint(tokens))):
-        all_ids.extend(tokens)
-        return len(tokens)
+        return len(tokens), None, None
     for i, token in enumerate(tokens):
-        all_ids.append(token)
-        num_output = len(all_ids) - num_prompt
+        num_tokens = num_before + i + 1
+        num_output = num_tokens - num_prompt
         if num_output >= request.min_tokens:
             if token == eos:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return i + 1
+                return i + 1, RequestStatus.FINISHED_STOPPED, None
             if token in stop_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token
-                return i + 1
-        if num_output >= request.max_tokens or len(all_ids) >= max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH
-            return i + 1
-    return len(tokens)
+                return i + 1, RequestStatus.FINISHED_STOPPED, token
+        if num_output >= request.max_tokens or num_tokens >= max_model_len:
+            return i + 1, RequestStatus.FINISHED_LENGTH, None
+    return len(tokens), None, None

@@ -15,6 +15,12 @@ def validate_new_request(request: Request, config: SchedulerConfig, known: Mappi
         raise ValueError(f"request_id must be a non-empty string, got {rid!r}")
     if rid in known:
         raise ValueError(f"duplicate request_id {rid!r}: a request with this id is still running")
+    check_request_fits(request, config, kv.num_blocks)
+
+
+def check_request_fits(request: Request, config: SchedulerConfig, num_blocks: int) -> None:
+    """The checks that depend only on the configuration (safe to run from any thread)."""
+    rid = request.request_id
     prompt_len = len(request.prompt_token_ids)
     if prompt_len == 0:
         raise ValueError(f"request {rid!r}: the prompt is empty")
@@ -32,6 +38,6 @@ def validate_new_request(request: Request, config: SchedulerConfig, known: Mappi
     longest = min(prompt_len + request.max_tokens, config.max_model_len)
     longest = min(longest + config.num_lookahead_tokens, max(longest, config.max_model_len))
     need = -(-longest // config.block_size)
-    if need > kv.num_blocks:
+    if need > num_blocks:
         raise ValueError(f"request {rid!r} can never fit in the KV cache: it may need {need} blocks "
-                         f"of {config.block_size} tokens, the pool has {kv.num_blocks}")
+                         f"of {config.block_size} tokens, the pool has {num_blocks}")

@@ -105,6 +105,19 @@ class AcceptanceEstimator:
             [self.last_drafted_step, np.zeros_like(self.last_drafted_step)])
         self._free.extend(range(2 * n - 1, n - 1, -1))
 
+    def snapshot(self) -> tuple:
+        """What a step's ``decay_global`` and ``slots`` change (for ``restore`` if it fails)."""
+        return (self.global_succ.copy(), self.global_trials.copy(), dict(self._slot), list(self._free),
+                len(self._succ))
+
+    def restore(self, saved: tuple) -> None:
+        """Back to ``saved``. Rows a failed step allocated return to the free list; their contents
+        are irrelevant (a row is zeroed when it is handed out)."""
+        self.global_succ, self.global_trials, self._slot, self._free, n = saved
+        if len(self._succ) != n:  # grown during the step: drop the new rows
+            self._succ, self._trials = self._succ[:n].copy(), self._trials[:n].copy()
+            self.last_drafted_step = self.last_drafted_step[:n].copy()
+
     def forget(self, request_id: str) -> None:
         """Drop a finished/aborted request's evidence (its engine-wide share stays)."""
         s = self._slot.pop(request_id, None)

@@ -270,6 +270,15 @@ class AdaptiveSpecController:
             self.num_probes += n
         return n
 
+    # ---- transactions ----
+    def snapshot(self) -> tuple:
+        """Everything ``choose`` changes, so a failed engine step can put it back."""
+        return (self.step, self.acceptance.snapshot(), dict(self.k_histogram), self.num_probes, self.last_plan)
+
+    def restore(self, saved: tuple) -> None:
+        self.step, acceptance, self.k_histogram, self.num_probes, self.last_plan = saved
+        self.acceptance.restore(acceptance)
+
     # ---- feedback ----
     def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         """After ``update_from_output``: the request verified ``num_draft``, kept

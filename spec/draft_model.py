@@ -27,15 +27,20 @@ When the drafter's KV is thrown away (``num_draft_computed = 0``):
 * preemption (``request.num_preemptions`` changed): the request's blocks were freed and it was
   recomputed into new ones.
 
-Sampling: greedy requests (``params.is_greedy``) take the drafter's argmax (ties: lowest id) and
-get no probabilities (``take_draft_probs`` entry None: greedy verification never reads q, and
-the rejection sampler's rule for a drafter without probabilities, q(x) = 1, is what a one-hot q
-would give). Random requests sample from q = softmax of the drafter logits processed with the
-request's own temperature / min-p / top-k / top-p (``engine.sampler.compute_target_probs``, the
-same processing p gets), and q ([k, V] float32) is handed to the rejection sampler, so the output
-distribution is the target's whatever the drafter. A request with ``params.seed`` gets its own
-drafter ``torch.Generator`` seeded from ``seed`` (a stream separate from the target sampler's),
-so its tokens do not depend on its batch neighbours; others draw from the global RNG.
+Sampling: greedy requests (``params.is_greedy``) take the drafter's argmax (ties: lowest id)
+and get no probabilities (greedy verification never reads q). Random requests draw from q =
+softmax of the drafter logits processed with the request's own temperature / min-p / top-k /
+top-p (``logits_processing.compute_target_probs``, the same processing p gets) by the exponential
+race with keyed noise (``engine.worker.keyed_random``):
+* a request with a user seed uses the target's own noise for that position (stream TARGET), and
+  no probabilities are handed over: the sampler verifies it with the coupled rule (accept while
+  the draft equals the target's keyed sample), so its output is exactly plain decoding's;
+* other random requests use the drafter's stream (DRAFT) and hand q ([k, V] float32) to the
+  rejection sampler, which accepts more often; the output distribution is the target's.
+
+Transactions: ``propose`` records the drafter state of every request it touches; ``rollback``
+puts those records back (the drafter KV they describe was not overwritten: a step only writes
+positions at or past them), ``commit`` drops them.
 
 Measured (self_draft on SmolLM2-135M-Instruct Q4_1, 30 layers, greedy, k = 4, 5 chat prompts,
 max_tokens 64, 187 tokens; outputs identical to plain decoding in every row):
@@ -57,19 +62,18 @@ from typing import Sequence
 
 import torch
 
-from tokenbudget.engine.worker.sampler import compute_target_probs
+from tokenbudget.engine.worker.keyed_random import DRAFT, TARGET, keyed_exponential, race_argmax
+from tokenbudget.engine.worker.logits_processing import compute_target_probs
+from tokenbudget.scheduler.drafts import draft_limit
 from tokenbudget.scheduler.request import Request
 from tokenbudget.spec.draft_runner import DraftRunner
-from tokenbudget.spec.proposer import BaseProposer, draft_limit
-
-_SEED_SALT = 0x5EED_D8AF7  # drafter stream != the target sampler's stream for the same seed
+from tokenbudget.spec.proposer import BaseProposer
 
 
 @dataclass(slots=True)
 class _DraftState:
     num_computed: int = 0          # drafter KV valid for positions [0, num_computed) (pre-clamp)
     num_preemptions: int = 0
-    generator: torch.Generator | None = None
 
 
 class DraftModelProposer(BaseProposer):
@@ -84,20 +88,21 @@ class DraftModelProposer(BaseProposer):
         self.max_model_len = max_model_len
         self.max_batch_tokens = max_batch_tokens
         self._state: dict[str, _DraftState] = {}
+        self._undo: dict[str, tuple[int, int] | None] = {}  # this step's touched states, as they were
         self._probs: list[torch.Tensor | None] | None = None
         # Counters (for tests and benchmarks): tokens the drafter ran, split by kind.
         self.num_catchup_tokens = 0
         self.num_draft_forward_tokens = 0
 
     @classmethod
-    def from_config(cls, spec_config, max_model_len: int, target) -> DraftModelProposer:
-        """``target``: the engine's ``EngineParts`` (model, model_config, scheduler, device, dtype)."""
-        if target is None:
+    def from_config(cls, spec_config, max_model_len: int, target, scheduler) -> DraftModelProposer:
+        """``target``: the engine's ``TargetModel``; ``scheduler``: its scheduler (block tables)."""
+        if target is None or scheduler is None:
             raise ValueError(f"speculative_config['method'] {spec_config.method!r} needs the "
                              "loaded target model")
-        sched_cfg = target.scheduler.config
+        sched_cfg = scheduler.config
         common = (sched_cfg.num_blocks, sched_cfg.block_size, target.dtype, target.device)
-        tcfg = target.model_config
+        tcfg = target.config
         if spec_config.method == "self_draft":
             n = spec_config.draft_num_layers
             if n > tcfg.num_hidden_layers:
@@ -108,7 +113,7 @@ class DraftModelProposer(BaseProposer):
             runner = _load_draft_model(spec_config.model, tcfg, max_model_len, common)
         else:
             raise ValueError(f"speculative_config['method'] {spec_config.method!r} is not a model drafter")
-        return cls(runner, target.scheduler.kv, max_model_len, sched_cfg.max_num_batched_tokens)
+        return cls(runner, scheduler.kv, max_model_len, sched_cfg.max_num_batched_tokens)
 
     # ---- Proposer interface ----
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
@@ -119,8 +124,8 @@ class DraftModelProposer(BaseProposer):
         ks = [draft_limit(r, self.max_model_len, k) for r, k in zip(requests, num_tokens)]
         active = [i for i, k in enumerate(ks) if k > 0]
         if active:
-            for i in active:
-                if not _is_greedy(requests[i]):
+            for i in active:  # q only for rejection sampling (random requests without a user seed)
+                if _is_random(requests[i]) and requests[i].sampling_params.seed is None:
                     probs[i] = []
             self._catch_up(requests, active, drafts, probs)
             for j in range(1, max(ks[i] for i in active)):
@@ -141,8 +146,20 @@ class DraftModelProposer(BaseProposer):
         probs, self._probs = self._probs, None
         return probs
 
-    def on_request_finished(self, request: Request) -> None:
+    def on_finished(self, request: Request) -> None:
         self._state.pop(request.request_id, None)
+
+    def commit(self) -> None:
+        self._undo.clear()
+
+    def rollback(self) -> None:
+        for rid, saved in self._undo.items():
+            if saved is None:
+                self._state.pop(rid, None)
+            else:
+                self._state[rid] = _DraftState(*saved)
+        self._undo.clear()
+        self._probs = None
 
     @property
     def num_tracked_requests(self) -> int:
@@ -150,13 +167,12 @@ class DraftModelProposer(BaseProposer):
 
     # ---- internals ----
     def _state_of(self, request: Request) -> _DraftState:
-        st = self._state.get(request.request_id)
+        rid = request.request_id
+        st = self._state.get(rid)
+        if rid not in self._undo:
+            self._undo[rid] = None if st is None else (st.num_computed, st.num_preemptions)
         if st is None:
-            st = self._state[request.request_id] = _DraftState(num_preemptions=request.num_preemptions)
-            seed = getattr(request.sampling_params, "seed", None)
-            if seed is not None:
-                st.generator = torch.Generator(device=self.runner.device)
-                st.generator.manual_seed((int(seed) ^ _SEED_SALT) & 0x7FFF_FFFF_FFFF_FFFF)
+            st = self._state[rid] = _DraftState(num_preemptions=request.num_preemptions)
         if st.num_preemptions != request.num_preemptions:  # recomputed into new blocks
             st.num_preemptions = request.num_preemptions
             st.num_computed = 0
@@ -191,27 +207,32 @@ class DraftModelProposer(BaseProposer):
 
     def _sample(self, logits: torch.Tensor, requests, rows: list[int], drafts, probs) -> None:
         """Append one draft per row (``logits[r]`` belongs to request ``rows[r]``)."""
-        greedy = [r for r, i in enumerate(rows) if probs[i] is None]
+        greedy = [r for r, i in enumerate(rows) if not _is_random(requests[i])]
         if greedy:
             idx = torch.tensor(greedy, dtype=torch.long, device=logits.device)
             for r, t in zip(greedy, logits[idx].argmax(dim=-1).tolist()):
                 drafts[rows[r]].append(t)
-        rand = [r for r, i in enumerate(rows) if probs[i] is not None]
+        rand = [r for r, i in enumerate(rows) if _is_random(requests[i])]
         if not rand:
             return
         idx = torch.tensor(rand, dtype=torch.long, device=logits.device)
         q = compute_target_probs(logits[idx], [requests[rows[r]].sampling_params for r in rand])
-        for qi, r in enumerate(rand):
+        noise = []
+        for r in rand:
+            req = requests[rows[r]]
+            position = req.num_tokens + len(drafts[rows[r]])  # the index the draft will take
+            stream = TARGET if req.sampling_params.seed is not None else DRAFT
+            noise.append(keyed_exponential(req.seed, position, q.shape[1], q.device, stream))
+        for qi, (r, tok) in enumerate(zip(rand, race_argmax(q, torch.stack(noise)).tolist())):
             i = rows[r]
-            gen = self._state[requests[i].request_id].generator
-            tok = int(torch.multinomial(q[qi], 1, generator=gen))
             drafts[i].append(tok)
-            probs[i].append(q[qi])
+            if probs[i] is not None:
+                probs[i].append(q[qi])
 
 
-def _is_greedy(request: Request) -> bool:
+def _is_random(request: Request) -> bool:
     params = request.sampling_params
-    return params is None or bool(params.is_greedy)
+    return params is not None and not params.is_greedy
 
 
 def _load_draft_model(path: str, target_config, max_model_len: int, common) -> DraftRunner:

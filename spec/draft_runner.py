@@ -77,8 +77,7 @@ class DraftRunner:
               sample: bool) -> ScheduledRequest:
         """Positions ``[start, start + len(token_ids))`` of ``request``; logits of the last one
         are returned when ``sample``."""
-        return ScheduledRequest(request, start, len(token_ids), token_ids, [], block_ids,
-                                False, sample)
+        return ScheduledRequest(request.request_id, start, list(token_ids), [], block_ids, False, sample)
 
     def forward(self, chunks: list[ScheduledRequest]) -> torch.Tensor:
         """One flat forward; fp32 logits ``[S, V]`` for the chunks with ``needs_sample`` (in order)."""

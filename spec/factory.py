@@ -5,8 +5,8 @@ from __future__ import annotations
 from tokenbudget.spec.config import SpeculativeConfig
 
 
-def build_proposer(config: SpeculativeConfig, max_model_len: int, target=None):
-    """``target`` (the engine's loaded target: model, config, runner) is needed by model drafters."""
+def build_proposer(config: SpeculativeConfig, max_model_len: int, target=None, scheduler=None):
+    """Model drafters need the engine's ``TargetModel`` and ``Scheduler`` (KV block tables)."""
     if config.method == "ngram":
         from tokenbudget.spec.ngram import NgramProposer
         return NgramProposer.from_config(config, max_model_len)
@@ -15,7 +15,7 @@ def build_proposer(config: SpeculativeConfig, max_model_len: int, target=None):
         return SuffixProposer.from_config(config, max_model_len)
     if config.method in ("draft_model", "self_draft"):
         from tokenbudget.spec.draft_model import DraftModelProposer
-        return DraftModelProposer.from_config(config, max_model_len, target)
+        return DraftModelProposer.from_config(config, max_model_len, target, scheduler)
     raise ValueError(f"speculative_config['method'] {config.method!r} is not supported")
 
 

@@ -42,8 +42,9 @@ from typing import Literal, Sequence
 
 import numpy as np
 
+from tokenbudget.scheduler.drafts import draft_limit
 from tokenbudget.scheduler.request import Request
-from tokenbudget.spec.proposer import BaseProposer, draft_limit
+from tokenbudget.spec.proposer import BaseProposer
 
 Prefer = Literal["recent", "earliest"]
 
@@ -159,7 +160,7 @@ class NgramProposer(BaseProposer):
             out.append(index.lookup(k) if k > 0 else [])
         return out
 
-    def on_request_finished(self, request: Request) -> None:
+    def on_finished(self, request: Request) -> None:
         self._index.pop(request.request_id, None)
 
     @property

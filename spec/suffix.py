@@ -43,8 +43,9 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from tokenbudget.scheduler.drafts import draft_limit
 from tokenbudget.scheduler.request import Request
-from tokenbudget.spec.proposer import BaseProposer, draft_limit
+from tokenbudget.spec.proposer import BaseProposer
 
 Bigram = tuple[int, int]
 
@@ -137,6 +138,7 @@ class SuffixProposer(BaseProposer):
         self._num_global_entries = 0  # entries in _global, dead ones included
         self._num_live_entries = 0
         self._next_seq_id = 0
+        self._pending_touches: list[int] = []  # cached sequences that drafted this step (LRU)
 
     @classmethod
     def from_config(cls, spec_config, max_model_len: int) -> SuffixProposer:
@@ -158,7 +160,17 @@ class SuffixProposer(BaseProposer):
             out.append(self.speculate(local, k).token_ids if k > 0 else [])
         return out
 
-    def on_request_finished(self, request: Request) -> None:
+    def commit(self) -> None:
+        """The step committed: the cached sequences that supplied its drafts become most recent."""
+        for seq_id in self._pending_touches:
+            if seq_id in self._cached:
+                self._cached.move_to_end(seq_id)
+        self._pending_touches.clear()
+
+    def rollback(self) -> None:
+        self._pending_touches.clear()
+
+    def on_finished(self, request: Request) -> None:
         self._local.pop(request.request_id, None)
         if self.max_cached_requests != 0 and request.num_output_tokens > 0:
             tail = request.prompt_token_ids[-self.max_tree_depth:]
@@ -223,7 +235,7 @@ class SuffixProposer(BaseProposer):
             g = self._best_draft(cands, ctx, k, ids)
             if g.score > best.score:
                 best = g
-                self._cached.move_to_end(g.source)
+                self._pending_touches.append(g.source)
         return best
 
     def _best_draft(self, cands: list[tuple[Sequence[int], int]], ctx: list[int], k: int,

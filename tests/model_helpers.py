@@ -54,3 +54,15 @@ def smollm2_gguf_tokenizer():
     except RuntimeError as exc:
         pytest.skip(f"default model unavailable: {exc}")
     return Tokenizer.from_gguf_metadata(read_gguf_metadata(gguf.GGUFReader(path)))
+
+
+def scheduled(req, nc: int, n: int, token_ids, spec, table, needs_sample: bool | None = None):
+    """The ``ScheduledRequest`` the scheduler would build for ``req`` running positions
+    ``[nc, nc + n)`` (the last ``len(spec)`` of them drafts) over block table ``table``."""
+    from tokenbudget.scheduler.output import ScheduledRequest
+    if needs_sample is None:
+        needs_sample = nc + n >= req.num_tokens
+    num_output = req.num_tokens - len(req.prompt_token_ids)
+    return ScheduledRequest(req.request_id, nc, list(token_ids), list(spec), list(table), nc == 0, needs_sample,
+                            req.sampling_params, req.seed, num_output, req.min_tokens_banned,
+                            req.spec_probs[:len(spec)] if req.spec_probs is not None and spec else None)

@@ -38,7 +38,7 @@ def reference(async_llm) -> list[str]:
 async def _wait_idle(llm: AsyncLLM, timeout: float = 60.0) -> None:
     """Queued aborts are applied by the background loop; wait until it has drained."""
     deadline = asyncio.get_running_loop().time() + timeout
-    while llm._loop_task is not None or llm.engine.has_unfinished_requests():
+    while (llm._loop_task is not None and not llm._loop_task.done()) or llm.engine.has_unfinished_requests():
         assert asyncio.get_running_loop().time() < deadline, "engine never became idle"
         await asyncio.sleep(0.01)
 
@@ -87,8 +87,8 @@ def test_concurrent_streams_with_cancellations(async_llm, reference) -> None:
         assert len(outs[-1].outputs[0].token_ids) == PARAMS.max_tokens
         texts = [o.outputs[0].text for o in outs]  # streamed text only grows
         assert all(ref.startswith(t) for t in texts)
-    assert not async_llm._queues and not async_llm._pending_aborts
-    assert not async_llm.engine.output_processor.states
+    assert not async_llm._streams and not async_llm._pending_aborts
+    assert not async_llm.engine.core.outputs.states
     assert_all_blocks_free(async_llm.engine)
 
 
@@ -114,33 +114,32 @@ def test_bad_request_raises_from_iterator(async_llm, reference) -> None:
     head, rest = asyncio.run(main())
     assert not head.finished and rest[-1].finished
     assert rest[-1].outputs[0].text == reference[0]
-    assert not async_llm._queues
+    assert not async_llm._streams
     assert_all_blocks_free(async_llm.engine)
 
 
-def test_cancel_while_request_is_being_added(async_llm) -> None:
-    engine = async_llm.engine
-    real_add = engine.add_request
-
-    def slow_add(*args):  # stands in for tokenizing a long prompt
-        import time
-        time.sleep(0.3)
-        return real_add(*args)
-
+def test_add_request_validates_at_once_and_abort_ends_the_stream(async_llm, reference) -> None:
+    """``add_request`` raises before anything streams; ``abort`` ends a stream that is being read
+    with a final "abort" output (it never hangs); the other stream is undisturbed."""
     async def main():
-        task = asyncio.create_task(_collect(async_llm, PROMPTS[0], "orphan"))
-        await asyncio.sleep(0.05)  # the add is now running in the worker thread
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        await asyncio.sleep(0.5)  # the thread finishes adding
-        try:
-            await asyncio.wait_for(_wait_idle(async_llm, timeout=2.0), 10.0)
-        finally:
-            if engine.has_unfinished_requests():  # leave the shared engine clean
-                engine.abort_request("orphan", missing_ok=True)
+        with pytest.raises(ValueError, match="out of range"):
+            async_llm.add_request("bad", [1, 10**9], PARAMS)
+        with pytest.raises(ValueError, match="empty"):
+            async_llm.add_request("bad", "", PARAMS)
+        assert "bad" not in async_llm._streams
+        keep = async_llm.add_request("keep", PROMPTS[0], PARAMS)
+        doomed = async_llm.add_request("doomed", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=400,
+                                                                             ignore_eos=True))
+        first = await doomed.__anext__()
+        async_llm.abort("doomed")
+        rest = [out async for out in doomed]
+        kept = [out async for out in keep]
+        await _wait_idle(async_llm)
+        return first, rest, kept
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(engine, "add_request", slow_add)
-        asyncio.run(main())
-    assert_all_blocks_free(engine)
+    first, rest, kept = asyncio.run(main())
+    assert not first.finished and len(rest) == 1 and rest[0].finished
+    assert rest[0].outputs[0].finish_reason == "abort"
+    assert kept[-1].outputs[0].text == reference[0]
+    assert not async_llm._streams
+    assert_all_blocks_free(async_llm.engine)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tokenbudget.scheduler.config import SchedulerConfig
-from tokenbudget.scheduler.request import Request
+from tokenbudget.scheduler.request import Request, RequestStatus
 from tokenbudget.scheduler.testing.fake_model import FakeModelSpec
 from tokenbudget.scheduler.testing.harness import Harness
 
@@ -106,13 +106,12 @@ def test_never_fit_counts_the_lookahead():
 
 def test_abort_unknown_or_finished_id_is_a_noop(busy):
     before = snapshot(busy.scheduler)
-    busy.scheduler.abort_requests(["no-such-id"])
-    busy.scheduler.abort_requests("also-unknown")
-    busy.scheduler.abort_requests([])
+    assert busy.core.abort_request("no-such-id") is None
+    assert busy.scheduler.finish_request("also-unknown", RequestStatus.FINISHED_ABORTED) is None
     assert snapshot(busy.scheduler) == before
     _finish_cleanly(busy)
     before = snapshot(busy.scheduler)
-    busy.scheduler.abort_requests(["g0", "g1"])  # finished long ago
+    assert busy.core.abort_request("g0") is None  # finished long ago
     assert snapshot(busy.scheduler) == before
 
 

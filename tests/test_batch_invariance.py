@@ -24,8 +24,10 @@ from tokenbudget.engine.model import build_model
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.worker.kv_cache_alloc import allocate_kv_caches
 from tokenbudget.engine.worker.model_runner import ModelRunner
-from tokenbudget.scheduler.output import ScheduledRequest, SchedulerOutput
+from tokenbudget.scheduler.output import SchedulerOutput
 from tokenbudget.scheduler.request import Request
+
+from model_helpers import scheduled
 
 CFG = ModelConfig(vocab_size=101, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024,
@@ -53,11 +55,6 @@ def random_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
     return sd
 
 
-def _sreq(req, nc, n, toks, table):
-    kw = ({"needs_sample": nc + n >= req.num_tokens}
-          if "needs_sample" in ScheduledRequest.__dataclass_fields__ else {})
-    return ScheduledRequest(req, nc, n, list(toks), [], table, nc == 0, **kw)
-
 
 def run_schedule(model, seqs, chunker, dtype, seed):
     """Run all sequences to completion, chunk sizes from ``chunker(rng, remaining)``; requests are
@@ -83,7 +80,7 @@ def run_schedule(model, seqs, chunker, dtype, seed):
         sched = SchedulerOutput()
         for i in chosen:
             n = chunker(rng, len(seqs[i]) - done[i])
-            sched.scheduled.append(_sreq(reqs[i], done[i], n, seqs[i][done[i]:done[i] + n], tables[i]))
+            sched.scheduled.append(scheduled(reqs[i], done[i], n, seqs[i][done[i]:done[i] + n], [], tables[i]))
             done[i] += n
         x, pos, md, _ = runner.prepare_inputs(sched)
         logits = model.compute_logits(model(x, pos, md, runner.kv_caches))

@@ -118,7 +118,7 @@ def test_self_draft_greedy_equals_no_spec(tiny_dirs, baseline) -> None:
 def test_self_draft_shares_weights_and_matches_first_layers(tiny_dirs) -> None:
     llm = make_engine(tiny_dirs["target"], {"method": "self_draft", "draft_num_layers": 2,
                                             "num_speculative_tokens": 2})
-    target = llm.engine.parts.model
+    target = llm.engine.target.model
     runner = llm.engine.speculator.proposer.runner
     view = runner.model
     assert len(view.layers) == 2 and len(target.layers) == 4

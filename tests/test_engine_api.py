@@ -130,7 +130,7 @@ def test_unknown_engine_option_is_named() -> None:
 
 
 def _bad_inputs(engine: LLMEngine, running_id: str):
-    vocab = engine.parts.model_config.vocab_size
+    vocab = engine.model_config.vocab_size
     too_long = [1] * (engine.max_model_len + 1)
     return [
         ("empty", lambda: engine.add_request("bad-empty", "", GREEDY), "empty"),

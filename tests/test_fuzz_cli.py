@@ -68,17 +68,18 @@ def test_skipped_rollback_is_caught(monkeypatch, capsys):
     """Another broken scheduler: rejected drafts are not rolled back (num_computed_tokens stays advanced)."""
     from tokenbudget.scheduler import scheduler as sched_mod
 
-    real = sched_mod.Scheduler.update_from_output
+    real = sched_mod.Scheduler.apply_update
 
-    def no_rollback(self, sched, output):
-        saved = {id(sr): sr.request.num_computed_tokens for sr in sched.scheduled}
-        outs = real(self, sched, output)
-        for sr in sched.scheduled:
-            if sr.request.status == sched_mod.RUNNING:
-                sr.request.num_computed_tokens = max(sr.request.num_computed_tokens, saved[id(sr)])
-        return outs
+    def no_rollback(self, sched, plan):
+        saved = {sr.request_id: self.requests[sr.request_id].num_computed_tokens for sr in sched.scheduled}
+        finished = real(self, sched, plan)
+        for rid, computed in saved.items():
+            request = self.requests.get(rid)
+            if request is not None and request.status == sched_mod.RUNNING:
+                request.num_computed_tokens = max(request.num_computed_tokens, computed)
+        return finished
 
-    monkeypatch.setattr(sched_mod.Scheduler, "update_from_output", no_rollback)
+    monkeypatch.setattr(sched_mod.Scheduler, "apply_update", no_rollback)
     assert run_fuzz(60, seed=2, steps=20) == 1
     out = capsys.readouterr().out
     # The shrunk program is printed step by step (Hypothesis words its heading differently across

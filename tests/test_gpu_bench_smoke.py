@@ -39,7 +39,7 @@ def test_oracle_drafter_acceptance_and_lossless():
             eng.add_request(f"r{i}", p, params)
         while eng.has_unfinished_requests():
             for o in eng.step():
-                toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+                toks.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
         return toks
 
     ref = run()

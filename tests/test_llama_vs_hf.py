@@ -18,8 +18,10 @@ from tokenbudget.engine.model import build_model  # noqa: E402
 from tokenbudget.engine.model.config import ModelConfig  # noqa: E402
 from tokenbudget.engine.worker.kv_cache_alloc import allocate_kv_caches  # noqa: E402
 from tokenbudget.engine.worker.model_runner import ModelRunner  # noqa: E402
-from tokenbudget.scheduler.output import ScheduledRequest, SchedulerOutput  # noqa: E402
+from tokenbudget.scheduler.output import SchedulerOutput  # noqa: E402
 from tokenbudget.scheduler.request import Request  # noqa: E402
+
+from model_helpers import scheduled
 
 BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -79,13 +81,6 @@ class GreedyStandIn:
         return SamplerOutput(out)
 
 
-def sreq(req, nc, n, token_ids, spec, table, needs_sample=None):
-    """Build a ScheduledRequest whether ``needs_sample`` is a field or a property."""
-    if needs_sample is None:
-        needs_sample = nc + n >= req.num_tokens
-    kw = {"needs_sample": needs_sample} if "needs_sample" in ScheduledRequest.__dataclass_fields__ else {}
-    return ScheduledRequest(req, nc, n, list(token_ids), list(spec), table, nc == 0, **kw)
-
 
 def make_runner(model, cfg, num_blocks=64, block_size=4):
     caches = allocate_kv_caches(cfg, num_blocks, block_size, torch.float32, "cpu")
@@ -116,7 +111,7 @@ def chunked_logits(runner, prompts, tables, rng):
             if done[i] >= len(p):
                 continue
             n = min(len(p) - done[i], rng.randint(1, 9))
-            sched.scheduled.append(sreq(req, done[i], n, p[done[i]:done[i] + n], [], tables[i]))
+            sched.scheduled.append(scheduled(req, done[i], n, p[done[i]:done[i] + n], [], tables[i]))
             owners.append(i)
             done[i] += n
         ids, pos, md, _ = runner.prepare_inputs(sched)
@@ -153,7 +148,7 @@ def test_long_context_over_key_tiles():
     p = [rng.randrange(cfg.vocab_size) for _ in range(300)]
     runner = make_runner(model, cfg, num_blocks=80, block_size=4)
     tables = random_tables(rng, [300], 80, 4)
-    sched = SchedulerOutput([sreq(Request("a", p), 0, 300, p, [], tables[0])])
+    sched = SchedulerOutput([scheduled(Request("a", p), 0, 300, p, [], tables[0])])
     ids, pos, md, _ = runner.prepare_inputs(sched)
     ours = model.compute_logits(model(ids, pos, md, runner.kv_caches))
     with torch.no_grad():

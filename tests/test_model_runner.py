@@ -13,8 +13,10 @@ from tokenbudget.engine.worker.kv_cache_alloc import (
 )
 from tokenbudget.engine.worker.model_runner import ModelRunner
 from tokenbudget.engine.worker.sampler import SamplerOutput
-from tokenbudget.scheduler.output import ScheduledRequest, SchedulerOutput
+from tokenbudget.scheduler.output import SchedulerOutput
 from tokenbudget.scheduler.request import Request
+
+from model_helpers import scheduled
 
 CFG = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -53,11 +55,6 @@ class RecordingSampler:
         return SamplerOutput(out)
 
 
-def _sreq(req, nc, n, toks, spec, table):
-    kw = ({"needs_sample": nc + n >= req.num_tokens}
-          if "needs_sample" in ScheduledRequest.__dataclass_fields__ else {})
-    return ScheduledRequest(req, nc, n, list(toks), list(spec), table, nc == 0, **kw)
-
 
 def test_decode_verify_partial_prefill():
     bs = 4
@@ -69,16 +66,16 @@ def test_decode_verify_partial_prefill():
     # decode: 9 tokens, 8 computed, 1 scheduled
     a = Request("a", list(range(9)), sampling_params=greedy)
     # verify: 6 committed tokens, 5 computed, last committed + 3 drafts scheduled
-    b = Request("b", list(range(10, 16)), sampling_params=seeded)
+    b = Request("b", list(range(10, 16)), sampling_params=seeded, seed=7)
     b.spec_token_ids = [1, 2, 3]
+    b.spec_probs = torch.full((3, CFG.vocab_size), 1 / CFG.vocab_size)
     # partial prefill: 20-token prompt, first chunk of 7
     c = Request("c", list(range(20, 40)), sampling_params=greedy)
     sched = SchedulerOutput([
-        _sreq(a, 8, 1, [8], [], [3, 9, 30]),
-        _sreq(b, 5, 4, [15, 1, 2, 3], [1, 2, 3], [17, 2, 12]),
-        _sreq(c, 0, 7, c.all_token_ids[:7], [], [5, 11]),
+        scheduled(a, 8, 1, [8], [], [3, 9, 30]),
+        scheduled(b, 5, 4, [15, 1, 2, 3], [1, 2, 3], [17, 2, 12]),
+        scheduled(c, 0, 7, c.all_token_ids[:7], [], [5, 11]),
     ], total_num_scheduled_tokens=12)
-    runner.set_draft_probs("b", torch.full((5, CFG.vocab_size), 1 / CFG.vocab_size))
     ids, pos, md, sample_idx = runner.prepare_inputs(sched)
     assert ids.tolist() == [8, 15, 1, 2, 3] + list(range(20, 27))
     assert pos.tolist() == [8, 5, 6, 7, 8] + list(range(7))
@@ -95,18 +92,13 @@ def test_decode_verify_partial_prefill():
     assert logits.shape == (5, CFG.vocab_size) and logits.dtype == torch.float32
     assert [r.draft_token_ids for r in rows] == [[], [1, 2, 3]]
     assert rows[0].draft_probs is None and rows[1].draft_probs.shape == (3, CFG.vocab_size)
-    assert rows[0].generator is None and rows[1].generator is not None
-    assert not runner._draft_probs  # discarded after the step
-    gen_b = runner.generators["b"]
+    # b's rows predict positions 6, 7, 8, 9, its random numbers keyed by its seed
+    assert (rows[1].seed, rows[1].position) == (7, 6) and rows[0].position == 9
 
-    # next step: b is finished -> its generator is dropped; a preempted id keeps its state
-    sched2 = SchedulerOutput([_sreq(c, 7, 13, c.all_token_ids[7:], [], [5, 11, 6, 8, 1])],
-                             finished_request_ids=["b"], preempted_request_ids=["a"])
-    out2 = runner.execute(sched2)
-    assert "b" not in runner.generators and "a" in runner.generators
+    # the runner keeps nothing per request: the next chunk of c runs alone
+    out2 = runner.execute(SchedulerOutput([scheduled(c, 7, 13, c.all_token_ids[7:], [], [5, 11, 6, 8, 1])]))
     assert len(out2.sampled_token_ids[0]) == 1
     assert sampler.calls[-1][0].shape == (1, CFG.vocab_size)
-    assert gen_b is not None
 
 
 def test_kv_cache_budget():

@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tokenbudget.scheduler.drafts import draft_limit
 from tokenbudget.scheduler.request import Request
 from tokenbudget.spec.ngram import NgramIndex, NgramProposer, ngram_propose_reference
-from tokenbudget.spec.proposer import clip_drafts, draft_limit, propose_clipped
 
 
 def _req(tokens, prompt_len=None, max_tokens=1000, rid="r"):
@@ -82,15 +82,15 @@ def test_proposer_clips_to_max_model_len_and_max_tokens():
     assert prop.propose([r], [5]) == [[]]
 
 
-def test_draft_limit_and_clip_helpers():
+def test_draft_limit():
     r = _req(list(range(10)), prompt_len=8, max_tokens=10)
     assert draft_limit(r, max_model_len=100) == 10 - 2 - 1
     assert draft_limit(r, max_model_len=12) == 1
     assert draft_limit(r, max_model_len=10) == 0
     assert draft_limit(r, max_model_len=100, k=3) == 3
-    assert clip_drafts([r], [[1, 2, 3, 4, 5, 6, 7, 8, 9]], 100) == [[1, 2, 3, 4, 5, 6, 7]]
-    batch = propose_clipped(NgramProposer(1, 2, max_model_len=13), [_req([1, 2, 3, 1, 2])], [4], 13)
-    assert batch.token_ids == [[3, 1, 2, 3]] and batch.draft_probs is None
+    r.max_spec_tokens = 2
+    assert draft_limit(r, max_model_len=100) == 2
+    assert NgramProposer(1, 2, max_model_len=13).propose([_req([1, 2, 3, 1, 2])], [4]) == [[3, 1, 2, 3]]
 
 
 def test_incremental_across_steps_and_finish():
@@ -101,7 +101,7 @@ def test_incremental_across_steps_and_finish():
     assert prop.propose([r], [2]) == [[3, 4]]
     r.all_token_ids += [3, 9, 1, 2]
     assert prop.propose([r], [2]) == [[3, 9]]
-    prop.on_request_finished(r)
+    prop.on_finished(r)
     assert prop.num_tracked_requests == 0
 
 

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from tokenbudget.engine.api.sampling_params import SamplingParams
-from tokenbudget.engine.worker.sampler import Sampler, SamplingRow, compute_target_probs
+from tokenbudget.engine.worker.logits_processing import compute_target_probs
+from tokenbudget.engine.worker.sampler import Sampler, SamplingRow
 
 SAMPLER = Sampler()
 GREEDY = SamplingParams(temperature=0.0)
@@ -41,12 +42,14 @@ def naive_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
     return softmax(x)
 
 
-def _rows(params, drafts=None, probs=None, gens=None):
+def _rows(params, drafts=None, probs=None, seeds=None, position=0):
+    """One row per request; request i's random numbers are keyed by ``seeds[i]`` (default i)."""
     n = len(params)
     return [
         SamplingRow(
             params[i],
-            None if gens is None else gens[i],
+            i if seeds is None else seeds[i],
+            position,
             [] if drafts is None else list(drafts[i]),
             None if probs is None else probs[i],
         )
@@ -131,14 +134,12 @@ def test_seeded_rows_are_reproducible_and_independent_of_neighbours():
     seeded = SamplingParams(temperature=1.0, seed=42)
     own_logits = torch.randn(3, vocab)
     own_drafts = [1, 2]
-    q = torch.softmax(torch.randn(2, vocab), dim=-1)
 
-    def run(neighbours: list[tuple[SamplingParams, list[int], bool]], seed: int = 42) -> list[list[int]]:
-        gen = torch.Generator().manual_seed(seed)
+    def run(neighbours: list[tuple[SamplingParams, list[int], int]], seed: int = 42) -> list[list[int]]:
         results = []
-        for _ in range(5):  # five steps with the same generator
-            rows = [SamplingRow(p, torch.Generator().manual_seed(9) if g else None, d, None) for p, d, g in neighbours]
-            rows.insert(1 if neighbours else 0, SamplingRow(seeded, gen, own_drafts, q))
+        for position in range(10, 15):  # five steps
+            rows = [SamplingRow(p, s, position, d, None) for p, d, s in neighbours]
+            rows.insert(1 if neighbours else 0, SamplingRow(seeded, seed, position, own_drafts, None))
             parts = [torch.randn(len(r.draft_token_ids) + 1, vocab) for r in rows]
             parts[1 if neighbours else 0] = own_logits
             out = SAMPLER(torch.cat(parts), rows)
@@ -147,10 +148,25 @@ def test_seeded_rows_are_reproducible_and_independent_of_neighbours():
 
     alone = run([])
     assert run([]) == alone
-    crowd = [(SamplingParams(), [3, 4, 5], False), (GREEDY, [0], False), (SamplingParams(top_p=0.3), [], True)]
+    crowd = [(SamplingParams(), [3, 4, 5], 7), (GREEDY, [0], 8), (SamplingParams(top_p=0.3), [], 9)]
     assert run(crowd) == alone
     assert run(crowd[::-1]) == alone
     assert any(run([], seed=s) != alone for s in (1, 2, 3))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**64 - 1), drafts=st.lists(st.integers(0, 7), max_size=4), with_q=st.booleans())
+def test_seeded_output_does_not_depend_on_drafts(seed, drafts, with_q):
+    """A seeded request emits exactly what plain decoding (no drafts) emits at those positions."""
+    vocab, position = 8, 5
+    logits = torch.randn(len(drafts) + 1, vocab, generator=torch.Generator().manual_seed(seed % 2**31))
+    params = SamplingParams(temperature=0.9, top_k=6, seed=seed)
+    plain = [SAMPLER(logits[j:j + 1], [SamplingRow(params, seed, position + j)]).token_ids[0][0]
+             for j in range(len(drafts) + 1)]
+    q = torch.softmax(torch.randn(len(drafts), vocab), -1) if with_q and drafts else None
+    out = SAMPLER(logits, [SamplingRow(params, seed, position, drafts, q)]).token_ids[0]
+    assert out == plain[:len(out)]
+    assert out[:-1] == drafts[:len(out) - 1]
 
 
 def test_logprobs_are_raw_logsoftmax_of_the_predicting_row():
@@ -255,9 +271,9 @@ def test_drafter_without_probs_is_unaffected_by_neighbours_with_probs():
     results = []
     for neighbour_probs in (None, torch.softmax(torch.randn(2, vocab), -1)):
         outs = []
-        gen = torch.Generator().manual_seed(11)
-        for _ in range(20):
-            rows = [SamplingRow(seeded, gen, [2, 5, 7], None), SamplingRow(SamplingParams(), None, [1, 3], neighbour_probs)]
+        for position in range(20):
+            rows = [SamplingRow(seeded, 1, position, [2, 5, 7], None),
+                    SamplingRow(SamplingParams(), 3, position, [1, 3], neighbour_probs)]
             outs.append(SAMPLER(torch.cat([own_logits, other_logits]), rows).token_ids[0])
         results.append(outs)
     assert results[0] == results[1]

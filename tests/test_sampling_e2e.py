@@ -47,7 +47,7 @@ def test_seeded_sampling_reproducible_across_runs_and_batches(llm) -> None:
         [SamplingParams(temperature=1.0, max_tokens=12), GREEDY, SEEDED,
          SamplingParams(temperature=0.8, seed=99, max_tokens=12, ignore_eos=True)], use_tqdm=False)
     assert mixed[2].outputs[0].token_ids == alone
-    assert len(alone) == 12 and all(0 <= t < llm.engine.parts.model_config.vocab_size for t in alone)
+    assert len(alone) == 12 and all(0 <= t < llm.engine.model_config.vocab_size for t in alone)
     assert_all_blocks_free(llm.engine)
 
 
@@ -74,7 +74,7 @@ def test_ngram_seeded_sampling_valid_and_reproducible(spec_llm) -> None:
     batch = spec_llm.generate([PROMPTS[0], PROMPTS[2]], [SEEDED, params], use_tqdm=False)
     c = alone.outputs[0]
     assert c.finish_reason == "length" and len(c.token_ids) == 12
-    assert all(0 <= t < spec_llm.engine.parts.model_config.vocab_size for t in c.token_ids)
+    assert all(0 <= t < spec_llm.engine.model_config.vocab_size for t in c.token_ids)
     assert c.text == spec_llm.tokenizer.decode(c.token_ids) and c.text.strip()
     assert batch[1].outputs[0].token_ids == c.token_ids
     assert_all_blocks_free(spec_llm.engine)

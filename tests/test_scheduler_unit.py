@@ -6,7 +6,7 @@ import pytest
 
 from tokenbudget.scheduler.config import SchedulerConfig
 from tokenbudget.scheduler.testing.fake_model import FakeModelSpec
-from tokenbudget.scheduler.testing.harness import Harness, check_schedule_output
+from tokenbudget.scheduler.testing.harness import Harness
 
 SPEC = FakeModelSpec()
 
@@ -18,20 +18,8 @@ def cfg(**kw) -> SchedulerConfig:
 
 
 def manual_step(h: Harness, drafts: dict[str, list[int]] | None = None):
-    """One engine step, returning the SchedulerOutput (with the harness's bookkeeping and checks)."""
-    sched = h.scheduler
-    if drafts:
-        sched.update_draft_token_ids(drafts)
-    before = {r.request_id: list(r.spec_token_ids) for r in sched.running}
-    out = sched.schedule()
-    check_schedule_output(h.config, out, before)
-    sched.check_integrity()
-    for o in sched.update_from_output(out, h.runner.execute(out)):
-        h.outputs[o.request_id].extend(o.new_token_ids)
-        if o.finished:
-            h.finished[o.request_id] = o.finish_reason
-    sched.check_integrity()
-    return out
+    """One engine step (the harness checks invariants before and after); its SchedulerOutput."""
+    return h.step(drafts=drafts)
 
 
 def chunks(out) -> dict[str, int]:
@@ -172,8 +160,8 @@ def test_prefix_hit_reuses_blocks_and_never_covers_the_last_prompt_token():
     sr = next(sr for sr in out.scheduled if sr.request_id == "b")
     # 16-token prompt: at most (16 - 1) // 4 = 3 blocks hit; the last token is recomputed.
     assert sr.is_new and sr.num_computed_tokens == 12 and sr.num_tokens == 4
-    assert sr.request.num_cached_tokens == 12
-    assert sr.block_ids[:3] == a_blocks[:3] and sr.block_ids[3] != a_blocks[3]
+    assert h.scheduler.requests["b"].num_cached_tokens == 12
+    assert list(sr.block_ids[:3]) == a_blocks[:3] and sr.block_ids[3] != a_blocks[3]
     pool = h.scheduler.kv.pool
     assert [pool.blocks[i].ref_cnt for i in a_blocks[:3]] == [2, 2, 2]
     h.add(h.make_request("c", prompt + [7], max_tokens=3, ignore_eos=True))  # 17 tokens: all 4 blocks hit

@@ -34,7 +34,7 @@ def test_global_cache_from_finished_request_helps_new_request():
     sp = SuffixProposer(max_model_len=10_000)
     answer = [500 + i for i in range(30)]
     done = _req("old", [1, 2, 3, 4], answer)
-    sp.on_request_finished(done)
+    sp.on_finished(done)
     assert sp.num_cached_requests == 1
     new = _req("new", [9, 8, 7], answer[:6])
     (draft,) = sp.propose([new], [10])
@@ -47,7 +47,7 @@ def test_global_cache_from_finished_request_helps_new_request():
 
 def test_disabled_global_cache():
     sp = SuffixProposer(max_cached_requests=0, max_model_len=10_000)
-    sp.on_request_finished(_req("old", [1, 2], list(range(40, 60))))
+    sp.on_finished(_req("old", [1, 2], list(range(40, 60))))
     assert sp.num_cached_requests == 0
     assert sp.propose([_req("new", [40, 41, 42])], [4]) == [[]]
 
@@ -55,7 +55,7 @@ def test_disabled_global_cache():
 def test_proposal_length_scales_with_match_length():
     sp = SuffixProposer(max_spec_factor=1.0, max_model_len=10_000)
     seq = list(range(200, 240))
-    sp.on_request_finished(_req("old", [0], seq))
+    sp.on_finished(_req("old", [0], seq))
     lens = []
     for m in (2, 3, 5, 8):
         (d,) = sp.propose([_req(f"n{m}", [7] + seq[:m])], [16])
@@ -63,7 +63,7 @@ def test_proposal_length_scales_with_match_length():
         lens.append(len(d))
     assert lens == [2, 3, 5, 8]
     sp2 = SuffixProposer(max_spec_factor=0.0, max_spec_offset=4, max_model_len=10_000)
-    sp2.on_request_finished(_req("old", [0], seq))
+    sp2.on_finished(_req("old", [0], seq))
     assert len(sp2.propose([_req("n", [7] + seq[:2])], [16])[0]) == 4
 
 
@@ -111,7 +111,7 @@ def test_lru_eviction_bounds_memory():
     for i in range(40):
         out = [rng.randrange(10_000) for _ in range(50)]
         seqs.append(out)
-        sp.on_request_finished(_req(f"r{i}", [i], out))
+        sp.on_finished(_req(f"r{i}", [i], out))
         assert sp.num_cached_requests <= 3
         assert sp.num_index_entries <= 2 * 3 * 52 + 1024
     # the oldest is gone, the newest is still served
@@ -122,12 +122,27 @@ def test_lru_eviction_bounds_memory():
 def test_lru_keeps_recently_used():
     sp = SuffixProposer(max_cached_requests=2, max_model_len=10_000)
     a, b, c = ([base + i for i in range(20)] for base in (100, 200, 300))
-    sp.on_request_finished(_req("a", [0], a))
-    sp.on_request_finished(_req("b", [0], b))
-    assert sp.propose([_req("use_a", [1] + a[:4])], [2]) == [a[4:6]]  # touches a
-    sp.on_request_finished(_req("c", [0], c))  # evicts b, the least recently used
+    sp.on_finished(_req("a", [0], a))
+    sp.on_finished(_req("b", [0], b))
+    assert sp.propose([_req("use_a", [1] + a[:4])], [2]) == [a[4:6]]  # touches a ...
+    sp.rollback()  # ... in a step that failed: no touch
+    assert sp.propose([_req("use_a", [1] + a[:4])], [2]) == [a[4:6]]
+    sp.commit()  # the step committed: a is the most recently used
+    sp.on_finished(_req("c", [0], c))  # evicts b, the least recently used
     assert sp.propose([_req("qa", [1] + a[:4])], [2]) == [a[4:6]]
     assert sp.propose([_req("qb", [1] + b[:4])], [2]) == [[]]
+
+
+def test_rolled_back_touch_changes_nothing():
+    sp = SuffixProposer(max_cached_requests=2, max_model_len=10_000)
+    a, b, c = ([base + i for i in range(20)] for base in (100, 200, 300))
+    sp.on_finished(_req("a", [0], a))
+    sp.on_finished(_req("b", [0], b))
+    assert sp.propose([_req("use_a", [1] + a[:4])], [2]) == [a[4:6]]
+    sp.rollback()
+    sp.on_finished(_req("c", [0], c))  # evicts a: the touch was rolled back
+    assert sp.propose([_req("qa", [1] + a[:4])], [2]) == [[]]
+    assert sp.propose([_req("qb", [1] + b[:4])], [2]) == [b[4:6]]
 
 
 def test_finished_request_state_dropped():
@@ -136,5 +151,5 @@ def test_finished_request_state_dropped():
     sp.propose([r], [4])
     r.all_token_ids.append(3)
     sp.propose([r], [4])
-    sp.on_request_finished(r)
+    sp.on_finished(r)
     assert "a" not in sp._local

@@ -1,120 +1,177 @@
 """``AsyncLLM``: streamed generation for servers.
 
-    async for out in llm.generate("Hello", SamplingParams(max_tokens=64)):
-        print(out.outputs[0].text)          # cumulative text so far
+    llm = AsyncLLM()
+    stream = llm.add_request("r1", "Hello", SamplingParams(max_tokens=64))   # ValueError here
+    async for out in stream:
+        print(out.outputs[0].text)
 
-One background task drives ``LLMEngine.step`` in a worker thread (so the event loop never blocks
-on a forward pass) and routes each step's outputs to per-request queues. Engine calls are
-serialised by one lock. Cancelling or closing a ``generate`` iterator aborts its request: the
-abort is queued and applied before the next step, so the request's KV blocks return to the pool.
+    async for out in llm.generate("Hello", SamplingParams(max_tokens=64)):  # the same, one call
+        ...
+
+``add_request`` validates and tokenizes at once, in the caller's thread, so a bad request is a
+``ValueError`` before anything streams; it returns the request's ``RequestStream``. One
+background task steps the engine in a worker thread (the event loop never blocks on a forward
+pass) and hands each step's outputs to the streams. Requests and aborts reach the engine
+between steps, inside that worker call, so the engine is only ever touched by one thread.
+
+Ending: ``abort(id)`` ends that stream at once with a final "abort" output; closing or
+cancelling a consumer aborts its request; an errored request's stream raises ``RequestError``;
+once the engine is dead every stream and every later call raises ``EngineDeadError``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 from typing import Any, AsyncIterator
 
+import msgspec
+
+from tokenbudget.engine.api.errors import EngineDeadError
 from tokenbudget.engine.api.llm_engine import LLMEngine
 from tokenbudget.engine.api.outputs import RequestOutput
-from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
+from tokenbudget.engine.api.stream import RequestStream
 from tokenbudget.engine.core.prompts import PromptInput
+
+logger = logging.getLogger("tokenbudget")
 
 
 class AsyncLLM:
-    def __init__(self, model: str | None = None, **options: Any) -> None:
+    def __init__(self, model=None, **options: Any) -> None:
         self.engine = LLMEngine(model=model, **options)
-        self._lock = threading.Lock()
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, RequestStream] = {}
+        self._inbox_lock = threading.Lock()
+        self._pending_adds: list[tuple[Any, str | None]] = []
         self._pending_aborts: list[str] = []
         self._loop_task: asyncio.Task | None = None
         self._ids = itertools.count()
 
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str | None, prompt: PromptInput, sampling_params: SamplingParams | None = None,
+                    priority: int = 0) -> RequestStream:
+        """Validate, tokenize and queue a request; its stream. ValueError (nothing queued) for a
+        bad request, ``EngineDeadError`` once the engine is dead. Call from the event loop."""
+        self.engine.core.raise_if_dead()
+        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+        if rid in self._streams:
+            raise ValueError(f"duplicate request_id {rid!r}: a request with this id is still running")
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.CUMULATIVE
+        if isinstance(params, SamplingParams) and kind != RequestOutputKind.FINAL_ONLY:
+            params = msgspec.structs.replace(params, output_kind=RequestOutputKind.DELTA)  # streams merge
+        text, request = self.engine.make_request(rid, prompt, params, priority)
+        stream = RequestStream(rid, kind, self.abort)
+        self._streams[rid] = stream
+        with self._inbox_lock:
+            self._pending_adds.append((request, text))
+        self._ensure_loop()
+        return stream
+
     async def generate(self, prompt: PromptInput, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yield the request's output after every step that advanced it; the last is ``finished``.
-
-        A bad request raises ValueError at the first iteration, before anything is queued.
-        """
-        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
-        if rid in self._queues:
-            raise ValueError(f"duplicate request_id {rid!r}: a request with this id is still running")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = queue
-        adding = asyncio.ensure_future(asyncio.to_thread(
-            self._locked, self.engine.add_request, rid, prompt, sampling_params, priority))
+        """``add_request`` and iterate its stream; closing the iterator early aborts the request.
+        A bad request raises ValueError at the first iteration."""
+        stream = self.add_request(request_id, prompt, sampling_params, priority)
         try:
-            await asyncio.shield(adding)
-        except asyncio.CancelledError:
-            # The worker thread may still add the request: abort it once it has.
-            self._queues.pop(rid, None)
-            adding.add_done_callback(
-                lambda f: None if f.cancelled() or f.exception() is not None else self.abort(rid))
-            raise
-        except BaseException:
-            self._queues.pop(rid, None)
-            raise
-        self._ensure_loop()
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            async for out in stream:
+                yield out
         finally:
-            if not finished:
-                self.abort(rid)
+            if not stream.finished:
+                self.abort(stream.request_id)
+
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
+             request_id: str | None = None, add_generation_prompt: bool = True) -> RequestStream:
+        """``add_request`` with the model's chat template applied to ``messages``."""
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.add_request(request_id, prompt, sampling_params)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (no-op for unknown or finished ids); applied before the next step."""
-        self._queues.pop(request_id, None)
-        with self._lock:
-            if not self.engine.output_processor.has(request_id):
-                return
+        """End a request's stream now (final output "abort") and free it in the engine before the
+        next step. Unknown or finished ids are ignored."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        stream.abort()
+        with self._inbox_lock:
             self._pending_aborts.append(request_id)
         self._ensure_loop()
 
-    def _locked(self, fn, *args):
-        with self._lock:
-            return fn(*args)
+    def is_healthy(self) -> bool:
+        return self.engine.is_healthy()
 
-    def _step(self) -> list[RequestOutput]:
-        with self._lock:
-            aborts, self._pending_aborts = self._pending_aborts, []
-            for rid in aborts:
-                self.engine.abort_request(rid, missing_ok=True)
-            if not self.engine.has_unfinished_requests():
-                return []
-            return self.engine.step()
-
+    # ------------------------------------------------------------------ the loop
     def _ensure_loop(self) -> None:
-        if self._loop_task is None:
+        if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    def _take_inbox(self) -> tuple[list, list[str]]:
+        with self._inbox_lock:
+            adds, self._pending_adds = self._pending_adds, []
+            aborts, self._pending_aborts = self._pending_aborts, []
+        return adds, aborts
+
+    def _step(self, adds: list, aborts: list[str]) -> tuple[list[RequestOutput], list[tuple[str, Exception]]]:
+        """In the worker thread: apply the inbox, then one engine step."""
+        engine, rejected = self.engine, []
+        aborted = set(aborts)
+        for request, text in adds:
+            if request.request_id in aborted:
+                continue  # aborted before it reached the engine
+            try:
+                engine.add_made_request(request, text)
+            except ValueError as exc:
+                rejected.append((request.request_id, exc))
+        for rid in aborts:
+            engine.core.abort_request(rid)
+        if not engine.has_unfinished_requests():
+            return [], rejected
+        return engine.step(), rejected
 
     async def _run(self) -> None:
         try:
             while True:
-                outputs = await asyncio.to_thread(self._step)
+                adds, aborts = self._take_inbox()
+                outputs, rejected = await asyncio.to_thread(self._step, adds, aborts)
+                for rid, exc in rejected:
+                    stream = self._streams.pop(rid, None)
+                    if stream is not None:
+                        stream.fail(exc)
                 for out in outputs:
-                    queue = self._queues.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.put(out)
                         if out.finished:
-                            del self._queues[out.request_id]
-                if not self.engine.has_unfinished_requests() and not self._pending_aborts:
-                    return
-        except Exception as exc:  # a failed step fails every waiting stream, loudly
-            for queue in self._queues.values():
-                queue.put_nowait(exc)
-            self._queues.clear()
+                            del self._streams[out.request_id]
+                if not self.engine.has_unfinished_requests():
+                    with self._inbox_lock:
+                        if not self._pending_adds and not self._pending_aborts:
+                            return
+        except EngineDeadError as exc:
+            self._fail_all(exc)
+        except BaseException as exc:  # a bug in the loop itself: no stream may hang on it
+            logger.exception("tokenbudget: AsyncLLM loop failed")
+            self._fail_all(exc if isinstance(exc, Exception) else EngineDeadError(f"engine loop ended: {exc!r}"))
             raise
-        finally:
-            self._loop_task = None
+
+    def _fail_all(self, exc: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.fail(exc)
+
+    async def shutdown(self) -> None:
+        """Abort every request and wait for the loop to finish."""
+        for rid in list(self._streams):
+            self.abort(rid)
+        task = self._loop_task
+        if task is not None and not task.done():
+            await task
 
     def get_spec_stats(self):
         return self.engine.get_spec_stats()

@@ -2,6 +2,12 @@
 
     llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+
+``generate`` returns one output per prompt, in input order, always: a request the engine had to
+end because of a fault attributable to it comes back with ``finish_reason="error"`` and
+``error`` set. If the engine dies (``EngineDeadError``) or the call is interrupted (Ctrl-C), the
+call's requests are aborted before the exception propagates, and the ``LLM`` stays usable (a
+dead engine stays dead).
 """
 
 from __future__ import annotations
@@ -9,16 +15,22 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
+import msgspec
+
 from tokenbudget.engine.api.llm_engine import LLMEngine
 from tokenbudget.engine.api.outputs import RequestOutput
-from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
 from tokenbudget.engine.core.prompts import PromptInput
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **options: Any) -> None:
+    def __init__(self, model=None, **options: Any) -> None:
         self.engine = LLMEngine(model=model, **options)
         self._ids = itertools.count()
+
+    @property
+    def llm_engine(self) -> LLMEngine:  # vLLM's name
+        return self.engine
 
     @property
     def tokenizer(self):
@@ -33,7 +45,7 @@ class LLM:
         nothing runs.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
+                                                and not isinstance(prompts[0], (str, dict, list, tuple))):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -45,17 +57,21 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
-        ids = [f"llm-{next(self._ids)}" for _ in prompts]
-        added: list[str] = []
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
+        engine = self.engine
+        final_only = {id(p): _final_only(p) for p in params}
+        made = [engine.make_request(f"llm-{next(self._ids)}", prompt, final_only[id(p)], prio)
+                for prompt, p, prio in zip(prompts, params, priorities)]  # all checked before any is queued
+        ids = [request.request_id for _, request in made]
         try:
-            for rid, prompt, p, prio in zip(ids, prompts, params, priorities):
-                self.engine.add_request(rid, prompt, p, prio)
-                added.append(rid)
-        except ValueError:
-            for rid in added:
-                self.engine.abort_request(rid, missing_ok=True)
+            for text, request in made:
+                engine.add_made_request(request, text)
+            return self._run(ids, use_tqdm and len(ids) > 1)
+        except BaseException:  # Ctrl-C, a dead engine, a bad request: leave nothing behind
+            for rid in ids:
+                engine.core.abort_request(rid)
             raise
-        return self._run(ids, use_tqdm and len(ids) > 1)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -87,3 +103,10 @@ class LLM:
 
     def get_spec_stats(self):
         return self.engine.get_spec_stats()
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    """``generate`` only reads final outputs: no per-step copies of token lists or text."""
+    if params.output_kind == RequestOutputKind.FINAL_ONLY:
+        return params
+    return msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)

@@ -1,7 +1,14 @@
-"""LLMEngine: add requests, step, stream outputs. The loop DESIGN.md draws, and nothing else.
+"""LLMEngine: add requests, step, read outputs. A thin front of ``EngineCore`` that speaks text.
 
-Construction (model loading, KV sizing, component wiring) lives in ``engine.builder``; text
-handling in ``engine.output_processor``; speculation in ``spec.speculator``.
+    engine = LLMEngine(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    engine.add_request("a", "Hello", SamplingParams(max_tokens=16))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            ...
+
+Construction is ``engine.core.wiring`` (load the model, size the KV pool, wire the parts); the
+step loop and its fault handling are ``engine.core.engine_core``; text handling is
+``engine.core.output_processor``.
 """
 
 from __future__ import annotations
@@ -12,14 +19,16 @@ from tokenbudget.engine.api.config import EngineConfig
 from tokenbudget.engine.api.outputs import RequestOutput
 from tokenbudget.engine.api.sampling_params import SamplingParams
 from tokenbudget.engine.core.prompts import PromptInput, make_request
-from tokenbudget.engine.core.wiring import EngineParts, load_and_wire
+from tokenbudget.engine.core.wiring import load_and_wire
 from tokenbudget.engine.loader.target import TargetModel
+from tokenbudget.engine.worker.keyed_random import mix64
+from tokenbudget.scheduler.validation import check_request_fits
 
 
 class LLMEngine:
     """``model`` (or ``config.model``): a .gguf file, an HF directory, None for the default model,
     or an already loaded ``TargetModel`` (``engine.loader.target.load_target_model``), which
-    several engines may share."""
+    several engines may share. Options are ``EngineConfig`` fields."""
 
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
         target = kwargs.pop("model", None) if isinstance(kwargs.get("model"), TargetModel) else None
@@ -29,59 +38,83 @@ class LLMEngine:
             config = EngineConfig.from_kwargs(**kwargs)
         elif kwargs:
             raise ValueError("pass either an EngineConfig or keyword options, not both")
-        parts: EngineParts = load_and_wire(config, target)
+        wired = load_and_wire(config, target)
         self.config = config
-        self.parts = parts
-        self.tokenizer = parts.tokenizer
-        self.scheduler = parts.scheduler
-        self.runner = parts.runner
-        self.speculator = parts.speculator
-        self.output_processor = parts.output_processor
-        self.max_model_len = parts.scheduler.config.max_model_len
+        self.core = wired.core
+        self.target = wired.target
+        self.tokenizer = wired.target.tokenizer
+        self.model_config = wired.target.config
+        self._num_added = 0  # requests accepted so far: keys the seed of each unseeded one
+
+    # ------------------------------------------------------------------ parts
+    @property
+    def scheduler(self):
+        return self.core.scheduler
+
+    @property
+    def runner(self):
+        return self.core.runner
+
+    @property
+    def speculator(self):
+        return self.core.speculator
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.scheduler.config.max_model_len
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: PromptInput,
-                    sampling_params: SamplingParams | None = None, priority: int = 0) -> None:
-        """Queue a request. Raises ValueError (changing nothing) for a bad prompt, bad params,
-        a prompt longer than ``max_model_len`` or a duplicate ``request_id``."""
+    def make_request(self, request_id: str, prompt: PromptInput, sampling_params: SamplingParams | None = None,
+                     priority: int = 0):
+        """Validate and tokenize: ``(prompt text, Request)``; ValueError naming what is wrong.
+        Touches no engine state, so it may run outside the thread that steps the engine."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if self.output_processor.has(request_id):
-            raise ValueError(f"duplicate request_id {request_id!r}: a request with this id is still running")
         text, request = make_request(request_id, prompt, params, priority, self.tokenizer,
-                                     self.parts.model_config.vocab_size)
-        self.scheduler.add_request(request)
-        self.output_processor.add_request(request_id, text, request.prompt_token_ids, params)
+                                     self.model_config.vocab_size)
+        check_request_fits(request, self.scheduler.config, self.scheduler.kv.num_blocks)
+        return text, request
+
+    def add_request(self, request_id: str, prompt: PromptInput, sampling_params: SamplingParams | None = None,
+                    priority: int = 0) -> None:
+        """Queue a request. Raises ValueError (changing nothing) for a bad prompt, bad params, a
+        prompt longer than ``max_model_len`` or a duplicate ``request_id``."""
+        text, request = self.make_request(request_id, prompt, sampling_params, priority)
+        self.add_made_request(request, text)
+
+    def add_made_request(self, request, prompt_text: str | None = None) -> None:
+        """Queue a request from ``make_request``. A request without a user seed gets one keyed by
+        the engine's ``seed`` and the number of requests accepted before it."""
+        if request.sampling_params.seed is None:
+            request.seed = mix64(self.config.seed, self._num_added)
+        self.core.add_request(request, prompt_text)
+        self._num_added += 1
 
     def abort_request(self, request_id: str, missing_ok: bool = False) -> RequestOutput | None:
         """Abort a running or waiting request; its blocks return to the pool at once.
 
-        An id that is not (or no longer) in flight raises ValueError unless ``missing_ok``.
-        Returns the request's final output (``finish_reason="abort"``) when it was in flight.
+        Returns the request's final output (``finish_reason="abort"``). An id that is not (or no
+        longer) in flight raises ValueError unless ``missing_ok``.
         """
-        if not self.output_processor.has(request_id):
-            if missing_ok:
-                return None
+        out = self.core.abort_request(request_id)
+        if out is None and not missing_ok:
             raise ValueError(f"unknown request_id {request_id!r}: no such request is running or waiting")
-        self.scheduler.abort_requests([request_id])
-        return self.output_processor.abort(request_id)
+        return out
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.core.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.get_num_unfinished_requests()
+        return self.core.get_num_unfinished_requests()
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
-        out = self.runner.execute(sched)
-        core = self.scheduler.update_from_output(sched, out)
-        outputs, stopped = self.output_processor.process(core, sched)
-        self.scheduler.abort_requests(stopped)  # finished by a stop string
-        self.speculator.after_step(core, self.scheduler, self.runner)
-        return outputs
+        """One engine step (see ``EngineCore.step``); raises ``EngineDeadError`` once dead."""
+        return self.core.step()
+
+    def is_healthy(self) -> bool:
+        return self.core.is_healthy()
 
     # ------------------------------------------------------------------ metrics
     def get_spec_stats(self):

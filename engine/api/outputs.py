@@ -1,4 +1,11 @@
-"""What crosses the engine boundary: requests and outputs as msgspec Structs (JSON/msgpack)."""
+"""What crosses the engine boundary: requests and outputs as msgspec Structs (JSON/msgpack).
+
+What an output carries depends on the request's ``SamplingParams.output_kind``: everything so far
+(CUMULATIVE), only what is new since its previous output (DELTA), or everything once, when it
+finishes (FINAL_ONLY). ``finish_reason``: "stop" (EOS, a stop token or a stop string), "length"
+(max_tokens or the model length), "abort", or "error" (the engine isolated a fault to this
+request; ``RequestOutput.error`` says what it was).
+"""
 
 from __future__ import annotations
 
@@ -24,7 +31,7 @@ class CompletionOutput(msgspec.Struct, kw_only=True):
     cumulative_logprob: float | None = None
     # Per generated token: {token_id: logprob} for the sampled token and the top-n alternatives.
     logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     @property
@@ -53,3 +60,4 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     outputs: list[CompletionOutput] = []
     finished: bool = False
     metrics: RequestMetrics | None = None
+    error: str | None = None  # with finish_reason "error": the fault, as "ExceptionType: message"

@@ -1,124 +1,213 @@
-"""Turns the scheduler's per-step token outputs into user-facing ``RequestOutput``s.
+"""Turns each step's committed tokens into user-facing ``RequestOutput``s.
 
-Owns everything per request that is about text: the incremental detokenizer, stop strings
-(a stop string finishes the request: the engine aborts it in the scheduler and reports
-``finish_reason="stop"``), logprobs and cumulative logprob. Streamed text holds back a tail that
-could still become a stop string; the final output carries the complete text.
+Owns everything per request that is about text and reporting: the incremental detokenizer, stop
+strings, logprobs, the cumulative logprob and the speculation counters. Per step the work is
+O(new tokens) for DELTA and FINAL_ONLY requests: new tokens are appended, and an output carries
+only what is new (DELTA) or nothing until the end (FINAL_ONLY, whose text is decoded once, at the
+end, unless stop strings need it every step). CUMULATIVE outputs copy everything so far, by
+definition.
+
+Inside the step transaction (``engine.core.engine_core``): ``prepare(plan)`` runs before the
+scheduler commits. It updates each request's state (saving it first), ends requests whose text
+reached a stop string by editing the plan entry (finish "stop", the tokens cut right after the
+one that completed the string, so speculative and plain decoding commit the same tokens), and
+returns the step's outputs. ``rollback`` restores every saved state; ``commit`` drops the saves.
+Streamed text holds back a tail that could still become a stop string; a final output carries
+the complete text.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenbudget.engine.api.outputs import (
-    CompletionOutput,
-    RequestMetrics,
-    RequestOutput,
-)
-from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.engine.api.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
 from tokenbudget.engine.text.detokenizer import IncrementalDetokenizer
 from tokenbudget.engine.text.tokenizer import Tokenizer
 from tokenbudget.scheduler.output import EngineCoreOutput
+from tokenbudget.scheduler.request import FINISH_REASONS, Request, RequestStatus
+
+CUMULATIVE, DELTA, FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
+_DEFAULT_PARAMS = SamplingParams()
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class RequestState:
-    request_id: str
+    request: Request  # for the metrics the scheduler keeps (cached prompt tokens, preemptions)
     prompt: str | None
-    prompt_token_ids: list[int]
     params: SamplingParams
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None  # None without a tokenizer: token ids only
+    detok_each_step: bool  # False: FINAL_ONLY without stop strings decodes once, at the end
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
-    streamed_text: str = ""
+    num_sent: int = 0  # tokens (and logprobs) already in a DELTA output
+    streamed_text: str = ""  # CUMULATIVE: the text shown so far
     num_draft_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
 
+    def snapshot(self) -> tuple:
+        return (len(self.token_ids), len(self.logprobs) if self.logprobs is not None else 0,
+                self.cumulative_logprob, self.num_sent, self.streamed_text, self.num_draft_steps,
+                self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_pos),
+                self.detok.snapshot() if self.detok is not None else None)
+
+    def restore(self, saved: tuple) -> None:
+        (n, n_lp, self.cumulative_logprob, self.num_sent, self.streamed_text, self.num_draft_steps,
+         self.num_draft_tokens, self.num_accepted_tokens, self.accepted_per_pos, detok) = saved
+        del self.token_ids[n:]
+        if self.logprobs is not None:
+            del self.logprobs[n_lp:]
+        if detok is not None:
+            self.detok.restore(detok)
+
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
+        self._saved: list[tuple[RequestState, tuple]] = []  # this step's states, as they were
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
-        state = RequestState(request_id, prompt, prompt_token_ids, params, detok)
+    def add_request(self, request: Request, prompt: str | None = None) -> None:
+        params = request.sampling_params or _DEFAULT_PARAMS
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
+        state = RequestState(request, prompt, params, detok,
+                             bool(params.stop) or params.output_kind != FINAL_ONLY)
         if params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
-        self.states[request_id] = state
+        self.states[request.request_id] = state
 
     def has(self, request_id: str) -> bool:
         return request_id in self.states
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        state = self.states.pop(request_id, None)
-        return None if state is None else self._make_output(state, "abort", None, cached=None)
-
-    def process(self, core_outputs: list[EngineCoreOutput], sched) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs of this step and the ids finished by a stop string (to abort)."""
-        requests = {sr.request_id: sr.request for sr in sched.scheduled}
+    # ---- the step
+    def prepare(self, plan: list[EngineCoreOutput]) -> list[RequestOutput]:
+        """Update states from the plan (may end requests at stop strings); the step's outputs."""
         outputs: list[RequestOutput] = []
-        stopped_by_string: list[str] = []
-        for co in core_outputs:
-            state = self.states.get(co.request_id)
-            if state is None:
+        for entry in plan:
+            if not entry.new_token_ids:
                 continue
-            state.token_ids.extend(co.new_token_ids)
-            self._record_spec(state, co)
-            if state.logprobs is not None and co.new_logprobs:
-                for token, lp in zip(co.new_token_ids, co.new_logprobs):
-                    entry = {token: float(lp.logprob)}
-                    entry.update({int(t): float(v) for t, v in lp.top if t != token})
-                    state.logprobs.append(entry)
-                    state.cumulative_logprob += float(lp.logprob)
-            state.detok.add_tokens(co.new_token_ids)
-            finish, stop_reason = co.finish_reason, co.stop_reason
-            params = state.params
-            if params.stop:
-                matched, _ = state.detok.check_stop(params.stop, params.include_stop_str_in_output)
-                if matched is not None and finish is None:
-                    finish, stop_reason = "stop", matched
-                    stopped_by_string.append(co.request_id)
-                elif matched is not None:
-                    finish, stop_reason = "stop", matched
-            request = requests.get(co.request_id)
-            outputs.append(self._make_output(state, finish, stop_reason, request))
-            if finish is not None:
-                del self.states[co.request_id]
-        return outputs, stopped_by_string
+            state = self.states[entry.request_id]
+            saved = state.snapshot()
+            self._saved.append((state, saved))
+            self._add_tokens(state, entry)
+            if state.params.stop and state.detok is not None:
+                self._check_stop_strings(state, entry, saved[-1])
+            out = self._output(state, entry.finish_status, entry.stop_reason)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def rollback(self) -> None:
+        saved, self._saved = self._saved, []
+        for state, snapshot in reversed(saved):
+            state.restore(snapshot)
+
+    def commit(self) -> None:
+        self._saved.clear()
+
+    def final_output(self, request: Request, error: str | None = None) -> RequestOutput | None:
+        """The last output of a request ended between steps (abort, error); drops its state."""
+        state = self.states.pop(request.request_id, None)
+        if state is None:
+            return None
+        return self._output(state, request.status, None, error)
+
+    def on_finished(self, request: Request) -> None:
+        self.states.pop(request.request_id, None)
+
+    # ---- internals
+    @staticmethod
+    def _add_tokens(state: RequestState, entry: EngineCoreOutput) -> None:
+        state.token_ids.extend(entry.new_token_ids)
+        if entry.num_draft_tokens:
+            state.num_draft_steps += 1
+            state.num_draft_tokens += entry.num_draft_tokens
+            state.num_accepted_tokens += entry.num_accepted_tokens
+            per_pos = state.accepted_per_pos
+            if len(per_pos) < entry.num_draft_tokens:
+                per_pos.extend([0] * (entry.num_draft_tokens - len(per_pos)))
+            for j in range(entry.num_accepted_tokens):
+                per_pos[j] += 1
+        if state.logprobs is not None and entry.new_logprobs:
+            for token, lp in zip(entry.new_token_ids, entry.new_logprobs):
+                item = {token: float(lp.logprob)}
+                item.update({int(t): float(v) for t, v in lp.top if t != token})
+                state.logprobs.append(item)
+                state.cumulative_logprob += float(lp.logprob)
+        if state.detok_each_step and state.detok is not None:
+            state.detok.add_tokens(entry.new_token_ids)
 
     @staticmethod
-    def _record_spec(state: RequestState, co: EngineCoreOutput) -> None:
-        if not co.num_draft_tokens:
+    def _check_stop_strings(state: RequestState, entry: EngineCoreOutput, detok_before: tuple) -> None:
+        """End the request at the first stop string, keeping only the tokens up to the one that
+        completed it (found by replaying this step's tokens one at a time from ``detok_before``)."""
+        params, detok = state.params, state.detok
+        matched, _ = detok.check_stop(params.stop, params.include_stop_str_in_output)
+        if matched is None:
             return
-        state.num_draft_steps += 1
-        state.num_draft_tokens += co.num_draft_tokens
-        state.num_accepted_tokens += co.num_accepted_tokens
-        per_pos = state.accepted_per_pos
-        if len(per_pos) < co.num_draft_tokens:
-            per_pos.extend([0] * (co.num_draft_tokens - len(per_pos)))
-        for j in range(co.num_accepted_tokens):
-            per_pos[j] += 1
+        new = entry.new_token_ids
+        keep = len(new)
+        if keep > 1:
+            detok.restore(detok_before)
+            for keep in range(1, len(new) + 1):
+                detok.add_tokens(new[keep - 1:keep])
+                matched, _ = detok.check_stop(params.stop, params.include_stop_str_in_output)
+                if matched is not None:
+                    break
+            drop = len(new) - keep
+            if drop:
+                del state.token_ids[len(state.token_ids) - drop:]
+                if state.logprobs is not None and entry.new_logprobs:
+                    for lp in entry.new_logprobs[keep:]:
+                        state.cumulative_logprob -= float(lp.logprob)
+                    del state.logprobs[len(state.logprobs) - drop:]
+                entry.new_token_ids = new[:keep]
+                if entry.new_logprobs is not None:
+                    entry.new_logprobs = entry.new_logprobs[:keep]
+        entry.finish_status, entry.stop_reason = RequestStatus.FINISHED_STOPPED, matched
 
-    def _make_output(self, state: RequestState, finish: str | None, stop_reason, cached) -> RequestOutput:
-        finished = finish is not None
-        delta = state.detok.stream_delta(finished=finished, stop=state.params.stop)
-        state.streamed_text += delta
+    def _output(self, state: RequestState, status: RequestStatus | None, stop_reason,
+                error: str | None = None) -> RequestOutput | None:
+        finished = status is not None
+        kind = state.params.output_kind
+        if not finished and kind == FINAL_ONLY:
+            return None
+        detok = state.detok
+        if finished and detok is not None and not state.detok_each_step:
+            detok.add_tokens(state.token_ids)
+        text = ""
+        if detok is not None:
+            delta = detok.stream_delta(finished=finished, stop=state.params.stop)
+            if kind == DELTA:
+                text = delta
+            elif finished:
+                text = detok.output_text
+            else:
+                state.streamed_text += delta
+                text = state.streamed_text
+        if kind == DELTA:
+            token_ids = state.token_ids[state.num_sent:]
+            logprobs = state.logprobs[state.num_sent:] if state.logprobs is not None else None
+            state.num_sent = len(state.token_ids)
+        else:
+            token_ids = list(state.token_ids)
+            logprobs = list(state.logprobs) if state.logprobs is not None else None
+        request = state.request
+        finish_reason = FINISH_REASONS.get(status) if finished else None
+        completion = CompletionOutput(text=text, token_ids=token_ids, cumulative_logprob=state.cumulative_logprob,
+                                      logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
         metrics = RequestMetrics(
-            num_prompt_tokens=len(state.prompt_token_ids),
-            num_cached_tokens=getattr(cached, "num_cached_tokens", 0),
-            num_preemptions=getattr(cached, "num_preemptions", 0),
-            num_draft_steps=state.num_draft_steps, num_draft_tokens=state.num_draft_tokens,
-            num_accepted_tokens=state.num_accepted_tokens, accepted_per_position=list(state.accepted_per_pos))
-        completion = CompletionOutput(
-            text=state.detok.output_text if finished else state.streamed_text,
-            token_ids=list(state.token_ids), cumulative_logprob=state.cumulative_logprob,
-            logprobs=list(state.logprobs) if state.logprobs is not None else None,
-            finish_reason=finish, stop_reason=stop_reason)
-        return RequestOutput(request_id=state.request_id, prompt=state.prompt,
-                             prompt_token_ids=state.prompt_token_ids, outputs=[completion],
-                             finished=finished, metrics=metrics)
+            num_prompt_tokens=len(request.prompt_token_ids), num_cached_tokens=request.num_cached_tokens,
+            num_preemptions=request.num_preemptions, num_draft_steps=state.num_draft_steps,
+            num_draft_tokens=state.num_draft_tokens, num_accepted_tokens=state.num_accepted_tokens,
+            accepted_per_position=list(state.accepted_per_pos))
+        return RequestOutput(request_id=request.request_id, prompt=state.prompt,
+                             prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=finished,
+                             metrics=metrics, error=error)

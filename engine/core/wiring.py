@@ -11,13 +11,11 @@ import gc
 import logging
 from dataclasses import dataclass
 
-import torch
-
 from tokenbudget.engine.api.config import EngineConfig
+from tokenbudget.engine.core.engine_core import EngineCore
 from tokenbudget.engine.core.output_processor import OutputProcessor
 from tokenbudget.engine.loader.target import TargetModel, load_target_model
 from tokenbudget.engine.model.config import ModelConfig
-from tokenbudget.engine.text.tokenizer import Tokenizer
 from tokenbudget.engine.worker.kv_cache_alloc import (
     allocate_kv_caches,
     num_blocks_for_budget,
@@ -33,20 +31,15 @@ from tokenbudget.spec.speculator import Speculator
 logger = logging.getLogger("tokenbudget")
 
 @dataclass(slots=True)
-class EngineParts:
-    model_config: ModelConfig
-    model: torch.nn.Module
-    tokenizer: Tokenizer
-    scheduler: Scheduler
-    runner: ModelRunner
-    speculator: Speculator
-    output_processor: OutputProcessor
-    device: torch.device
-    dtype: torch.dtype
-    source: str
+class WiredEngine:
+    """An engine's parts: the step loop and the loaded model it runs."""
+
+    core: EngineCore
+    target: TargetModel
+    spec_config: SpeculativeConfig | None
 
 
-def load_and_wire(config: EngineConfig, target: TargetModel | None = None) -> EngineParts:
+def load_and_wire(config: EngineConfig, target: TargetModel | None = None) -> WiredEngine:
     """Load the target (unless given) and wire an engine around it."""
     spec_config = (SpeculativeConfig.from_dict(config.speculative_config)
                    if config.speculative_config is not None else None)
@@ -67,8 +60,7 @@ def check_target_matches(config: EngineConfig, target: TargetModel) -> None:
 
 
 def wire_engine(config: EngineConfig, target: TargetModel, spec_config: SpeculativeConfig | None,
-                threads: int) -> EngineParts:
-    torch.manual_seed(config.seed)
+                threads: int) -> WiredEngine:
     mcfg, model, device, dtype = target.config, target.model, target.device, target.dtype
     # A model drafter keeps its own KV cache over the same block ids: the budget pays for both.
     draft_share = _draft_kv_share(spec_config, mcfg)
@@ -89,16 +81,14 @@ def wire_engine(config: EngineConfig, target: TargetModel, spec_config: Speculat
     runner = ModelRunner(model, mcfg, kv_caches, config.block_size, Sampler(), device)
     if config.cuda_graphs:
         _wrap_in_cuda_graphs(runner, kv_caches, spec_config, max_model_len, config)
-    parts = EngineParts(mcfg, model, target.tokenizer, scheduler, runner, Speculator(),
-                        OutputProcessor(target.tokenizer), device, dtype, target.source)
-    if spec_config is not None:
-        parts.speculator = _build_speculator(spec_config, parts)
+    speculator = _build_speculator(spec_config, target, scheduler, runner) if spec_config else Speculator()
+    core = EngineCore(scheduler, runner, speculator, OutputProcessor(target.tokenizer))
     gc.collect()
     gc.freeze()  # start-up objects (weights' Python wrappers, tokenizer) leave the GC's scans
     logger.info("tokenbudget: %s on %s (%s, %d threads), max_model_len=%d, %d KV blocks of %d tokens, "
                 "speculation=%s", target.source, device, str(dtype).removeprefix("torch."), threads,
                 max_model_len, num_blocks, config.block_size, spec_config.method if spec_config else "off")
-    return parts
+    return WiredEngine(core, target, spec_config)
 
 
 def _draft_kv_share(spec_config: SpeculativeConfig | None, mcfg: ModelConfig) -> float:
@@ -127,12 +117,12 @@ def _wrap_in_cuda_graphs(runner: ModelRunner, kv_caches, spec_config, max_model_
     runner.model = graphs
 
 
-def _build_speculator(spec_config: SpeculativeConfig, parts: EngineParts) -> Speculator:
+def _build_speculator(spec_config: SpeculativeConfig, target: TargetModel, scheduler: Scheduler,
+                      runner: ModelRunner) -> Speculator:
     from tokenbudget.spec.factory import build_controller, build_proposer
-    max_model_len = parts.scheduler.config.max_model_len
-    proposer = build_proposer(spec_config, max_model_len, target=parts)
+    proposer = build_proposer(spec_config, scheduler.config.max_model_len, target=target, scheduler=scheduler)
     cost_model = None
     if spec_config.is_adaptive:
         from tokenbudget.engine.worker.step_cost import measure_runner_costs
-        cost_model = measure_runner_costs(parts.runner, parts.scheduler.config)
+        cost_model = measure_runner_costs(runner, scheduler.config)
     return Speculator(spec_config, proposer, build_controller(spec_config, cost_model))

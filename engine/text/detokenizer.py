@@ -53,6 +53,16 @@ class IncrementalDetokenizer:
         self._streamed_len = 0
         self._stopped = False
 
+    def snapshot(self) -> tuple:
+        """The whole state (for ``restore``): a failed engine step puts the text back."""
+        return (list(self._ids), self._prefix_offset, self._read_offset, self.output_text,
+                self._checked_len, self._streamed_len, self._stopped)
+
+    def restore(self, saved: tuple) -> None:
+        ids, self._prefix_offset, self._read_offset, self.output_text, self._checked_len, \
+            self._streamed_len, self._stopped = saved
+        self._ids = list(ids)
+
     @property
     def num_pending_tokens(self) -> int:
         """Tokens added but whose text is held back (incomplete UTF-8 character)."""

@@ -4,13 +4,10 @@ Prefill chunks, 1-token decodes and (1 + k)-token verifies share the batch. A re
 ``needs_sample`` with k scheduled drafts gets the logits of the last 1 + k positions of its chunk;
 a partial prefill chunk samples nothing (empty list in the output).
 
-Per-request state, keyed by request id:
-* a ``torch.Generator`` seeded from ``params.seed`` (only when a seed is given; None = the global
-  RNG), created on first sight, kept across preemption, dropped when the id appears in
-  ``sched.finished_request_ids``;
-* draft probabilities set by a model drafter with :meth:`set_draft_probs` for the NEXT step; the
-  first ``len(scheduled drafts)`` rows are used, and every stored entry is discarded after the
-  step (used or not).
+Stateless across steps: everything a request's sampling needs (parameters, seed, output count,
+banned tokens, drafts and their probabilities) comes in its ``ScheduledRequest``, and its random
+numbers are keyed by (seed, position) (``keyed_random``). So a failed step leaves nothing to
+undo here and a finished request leaves nothing to free.
 """
 
 from __future__ import annotations
@@ -22,7 +19,8 @@ import torch
 
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.worker.input_batch import InputBatch, prepare_inputs
-from tokenbudget.engine.worker.min_tokens import apply_min_tokens
+from tokenbudget.engine.worker.logits_processing import apply_row_bans
+from tokenbudget.engine.worker.sampler import SamplingRow
 from tokenbudget.kernels.attention.base import (
     AttentionBackend,
     AttentionMetadata,
@@ -32,13 +30,6 @@ from tokenbudget.kernels.attention.selector import select_attention_backend
 from tokenbudget.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-def _sampler_types():
-    from tokenbudget.engine.worker.sampler import (
-        SamplingRow,  # late import: keeps this module importable alone
-    )
-    return SamplingRow
 
 
 class ModelRunner:
@@ -61,26 +52,8 @@ class ModelRunner:
                                  kv_caches[0].dtype if kv_caches else torch.float32)
             attn_backend = select_attention_backend(self.device, spec)
         self.attn_backend = attn_backend
-        self.generators: dict[str, torch.Generator | None] = {}
-        self._draft_probs: dict[str, torch.Tensor] = {}
+        # (tokens, seconds) of the last step, for the draft-length controller's cost model.
         self.last_step: tuple[int, float] | None = None
-
-    # ---- per-request state -------------------------------------------------------------
-    def set_draft_probs(self, req_id: str, probs: torch.Tensor) -> None:
-        """Drafter probabilities ``[k, V]`` for ``req_id``'s drafts of the next step."""
-        if probs.dim() != 2:
-            raise ValueError(f"draft probs must be [k, V], got shape {tuple(probs.shape)}")
-        self._draft_probs[req_id] = probs
-
-    def _generator(self, req_id: str, params) -> torch.Generator | None:
-        if req_id not in self.generators:
-            seed = getattr(params, "seed", None)
-            gen = None
-            if seed is not None:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(int(seed))
-            self.generators[req_id] = gen
-        return self.generators[req_id]
 
     # ---- one step ------------------------------------------------------------------------
     def prepare_inputs(self, sched: SchedulerOutput
@@ -101,53 +74,41 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        for rid in sched.finished_request_ids:
-            self.generators.pop(rid, None)
-            self._draft_probs.pop(rid, None)
         req_ids = [sr.request_id for sr in sched.scheduled]
         if sched.is_empty:
-            self._draft_probs.clear()
             return ModelRunnerOutput(req_ids, [])
         start = time.perf_counter()
-        try:
-            logits, batch = self.compute_logits(sched)
-            sampled: list[list[int]] = [[] for _ in req_ids]
-            logprobs: list[list] | None = None
-            rows, owners = self._sampling_rows(sched, batch.num_samples)
-            apply_min_tokens(logits, sched, batch.num_samples)
-            if rows:
-                out = self.sampler(logits, rows)
-                for i, toks in zip(owners, out.token_ids):
-                    sampled[i] = list(toks)
-                if out.logprobs is not None:
-                    logprobs = [[] for _ in req_ids]
-                    for i, lp in zip(owners, out.logprobs):
-                        logprobs[i] = lp if lp is not None else []
-        finally:
-            self._draft_probs.clear()
+        logits, batch = self.compute_logits(sched)
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        logprobs: list[list] | None = None
+        rows, owners, bans = self._sampling_rows(sched, batch.num_samples)
+        apply_row_bans(logits, bans)
+        if rows:
+            out = self.sampler(logits, rows)
+            for i, toks in zip(owners, out.token_ids):
+                sampled[i] = toks
+            if out.logprobs is not None:
+                logprobs = [[] for _ in req_ids]
+                for i, lp in zip(owners, out.logprobs):
+                    logprobs[i] = lp if lp is not None else []
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        # (tokens, seconds) of this step, for the adaptive controller's cost model.
         self.last_step = (sched.total_num_scheduled_tokens, time.perf_counter() - start)
         return ModelRunnerOutput(req_ids, sampled, logprobs)
 
-    def _sampling_rows(self, sched: SchedulerOutput, num_samples: list[int]):
-        sampling_row = _sampler_types()
-        rows, owners = [], []
+    @staticmethod
+    def _sampling_rows(sched: SchedulerOutput, num_samples: list[int]):
+        """Per sampling request: its ``SamplingRow``, its index in the batch, its row span."""
+        rows, owners, bans = [], [], []
+        first = 0
         for i, (sr, m) in enumerate(zip(sched.scheduled, num_samples)):
             if not m:
                 continue
-            params = sr.request.sampling_params
             k = m - 1
-            q = self._draft_probs.get(sr.request_id)
-            if q is not None and k:
-                if q.shape[0] < k:
-                    raise ValueError(f"request {sr.request_id}: {q.shape[0]} draft prob rows "
-                                     f"for {k} scheduled drafts")
-                q = q[:k]
-            else:
-                q = None
-            rows.append(sampling_row(params, self._generator(sr.request_id, params),
-                                     list(sr.spec_token_ids), q))
+            position = sr.num_computed_tokens + len(sr.token_ids) - k
+            rows.append(SamplingRow(sr.params, sr.seed, position, sr.spec_token_ids,
+                                    sr.spec_probs if k else None))
             owners.append(i)
-        return rows, owners
+            bans.append((first, m, sr))
+            first += m
+        return rows, owners, bans

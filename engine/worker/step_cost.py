@@ -22,15 +22,13 @@ import torch
 
 from tokenbudget.scheduler.config import SchedulerConfig
 from tokenbudget.scheduler.output import ScheduledRequest, SchedulerOutput
-from tokenbudget.scheduler.request import Request
 from tokenbudget.spec.cost_model import StepCostModel, default_grid, measure_step_costs
 
 
 def _dummy_step(num_tokens: int, block_size: int) -> SchedulerOutput:
     tokens = [0] * num_tokens
-    request = Request("__cost_probe__", tokens[:1])
     blocks = list(range(-(-num_tokens // block_size)))
-    sr = ScheduledRequest(request, 0, num_tokens, tokens, tokens[1:], blocks, True, True)
+    sr = ScheduledRequest("__cost_probe__", 0, tokens, tokens[1:], blocks, True, True)
     return SchedulerOutput([sr], num_tokens)
 
 
@@ -40,8 +38,7 @@ def _dummy_decode_step(num_requests: int, block_size: int) -> SchedulerOutput:
     ctx = max(block_size - 1, 0)
     srs = []
     for i in range(num_requests):
-        request = Request(f"__cost_probe_{i}__", [0] * (ctx + 1))
-        srs.append(ScheduledRequest(request, ctx, 1, [0], [], [i], True, True))
+        srs.append(ScheduledRequest(f"__cost_probe_{i}__", ctx, [0], [], [i], True, True))
     return SchedulerOutput(srs, num_requests)
 
 

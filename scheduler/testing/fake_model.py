@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from tokenbudget.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from tokenbudget.scheduler.request import Request
+from tokenbudget.spec.proposer import BaseProposer
 
 MASK = (1 << 64) - 1
 SEED_STATE = 0x9E3779B97F4A7C15
@@ -79,7 +80,6 @@ class FakeModelRunner:
         for sr in sched.scheduled:
             block_ids, start = sr.block_ids, sr.num_computed_tokens
             state = SEED_STATE if start == 0 else kv[slot(block_ids, start - 1)]
-            if sr.request.num_cached_tokens and sr.is_new: pass
             assert state is not None, f"{sr.request_id}: reads position {start - 1}, never written"
             predictions = []
             for j, token in enumerate(sr.token_ids):
@@ -102,12 +102,17 @@ class FakeModelRunner:
         return ModelRunnerOutput(req_ids, sampled)
 
 
-class FakeDrafter:
-    """Proposes k tokens per request, each the true next token with probability ``p_correct``."""
+class FakeDrafter(BaseProposer):
+    """A proposer: ``k`` drafts per request (at most what it is asked for), each the true next
+    token with probability ``p_correct`` (set per step by the harness), or exactly ``forced[id]``
+    for the requests listed there."""
 
     def __init__(self, spec: FakeModelSpec, rng: random.Random) -> None:
         self.spec = spec
         self.rng = rng
+        self.k = 0
+        self.p_correct = 0.5
+        self.forced: dict[str, list[int]] = {}
         self._state: dict[str, tuple[int, int]] = {}  # request_id -> (num tokens hashed, state)
 
     def _state_of(self, request: Request) -> int:
@@ -118,18 +123,22 @@ class FakeDrafter:
         self._state[request.request_id] = (len(tokens), state)
         return state
 
-    def propose(self, requests: list[Request], k: int, p_correct: float) -> dict[str, list[int]]:
-        out = {}
-        for request in requests:
+    def propose(self, requests, num_tokens) -> list[list[int]]:
+        out = []
+        for request, limit in zip(requests, num_tokens):
+            forced = self.forced.get(request.request_id)
+            if forced is not None:
+                out.append(list(forced[:limit]))
+                continue
             state = self._state_of(request)
             drafts = []
-            for _ in range(k):
+            for _ in range(min(self.k, limit)):
                 true = self.spec.next_token(state)
-                token = true if self.rng.random() < p_correct else self.rng.randrange(self.spec.vocab_size)
+                token = true if self.rng.random() < self.p_correct else self.rng.randrange(self.spec.vocab_size)
                 drafts.append(token)
                 state = mix(state, token)
-            out[request.request_id] = drafts
+            out.append(drafts)
         return out
 
-    def forget(self, request_id: str) -> None:
-        self._state.pop(request_id, None)
+    def on_finished(self, request: Request) -> None:
+        self._state.pop(request.request_id, None)
