@@ -168,10 +168,13 @@ def _validate(c: SpeculativeConfig) -> None:
                               f"must be an integer >= 1 or 'auto', got {k!r}")
     if not isinstance(c.adaptive, bool):
         raise SpecConfigError("adaptive", f"must be a bool, got {c.adaptive!r}")
-    for name in ("prompt_lookup_min", "prompt_lookup_max", "suffix_max_tree_depth"):
+    for name in ("prompt_lookup_min", "prompt_lookup_max"):
         v = getattr(c, name)
         if not _is_int(v) or v < 1:
             raise SpecConfigError(name, f"must be an integer >= 1, got {v!r}")
+    depth = c.suffix_max_tree_depth
+    if not _is_int(depth) or depth < 2:  # a suffix match needs two tokens (spec.suffix)
+        raise SpecConfigError("suffix_max_tree_depth", f"must be an integer >= 2, got {depth!r}")
     if c.prompt_lookup_min > c.prompt_lookup_max:
         raise SpecConfigError("prompt_lookup_min", f"({c.prompt_lookup_min}) must be <= "
                               f"prompt_lookup_max ({c.prompt_lookup_max})")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
 
 from tokenbudget.engine.api.sampling_params import SamplingParams
@@ -22,6 +23,9 @@ BAD_VALUES = [
     ("min_p", 1.5),
     ("seed", 1.5),
     ("seed", "7"),
+    ("seed", -3),
+    ("seed", 2**64),
+    ("top_k", 2**63),
     ("max_tokens", 0),
     ("max_tokens", True),
     ("min_tokens", -1),
@@ -73,7 +77,9 @@ def test_frozen():
 
 def test_accepted_edge_values():
     SamplingParams(top_k=-1, top_p=1.0, min_p=1.0, min_tokens=16, max_tokens=16, logprobs=0)
-    SamplingParams(num_speculative_tokens=0, seed=-3)
+    SamplingParams(num_speculative_tokens=0, seed=2**64 - 1)
+    assert SamplingParams(stop=None, stop_token_ids=None).stop == []
+    assert SamplingParams(seed=np.int64(3), stop_token_ids=np.array([5, 6])).stop_token_ids == [5, 6]
 
 
 FULL = SamplingParams(

@@ -7,6 +7,7 @@ start-up and never written back here.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 import msgspec
@@ -52,6 +53,17 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
             raise ValueError("speculative_config must be a dict (or None)")
+        spec = self.spec_config  # every key checked by SpeculativeConfig, named in its message
+        if spec is not None:
+            _check_spec_fits(spec, self.max_num_batched_tokens)
+
+    @property
+    def spec_config(self):
+        """The parsed ``speculative_config`` (a ``SpeculativeConfig``), or None."""
+        if self.speculative_config is None:
+            return None
+        from tokenbudget.spec.config import SpeculativeConfig
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -60,3 +72,17 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(fields)}")
         return cls(**kwargs)
+
+
+def _check_spec_fits(spec, max_num_batched_tokens: int) -> None:
+    """What ``SpeculativeConfig`` cannot check alone: its draft length against the step budget
+    (a verify of k drafts is 1 + k tokens in one step; a model drafter also reserves k KV slots
+    ahead) and that a draft model exists. A method's default length (suffix: the tree depth) is
+    only cut to the budget, not refused."""
+    k = spec.max_spec_tokens
+    if 1 + k > max_num_batched_tokens and (isinstance(spec.num_speculative_tokens, int) or spec.uses_draft_kv):
+        raise ValueError(f"speculative_config['num_speculative_tokens'] ({k}) + 1 exceeds max_num_batched_tokens "
+                         f"({max_num_batched_tokens}): a verify step could never be scheduled")
+    if spec.method == "draft_model" and not os.path.exists(os.path.expanduser(spec.model)):
+        raise ValueError(f"speculative_config['model'] {spec.model!r} does not exist: pass a .gguf file or an "
+                         "HF directory")

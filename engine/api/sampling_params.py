@@ -9,7 +9,13 @@ same message.)
 Decisions, where vLLM/SGLang users might expect something else:
 
 * ``stop`` / ``stop_token_ids``: a list. A single ``str`` (or a tuple) given to the Python
-  constructor is normalized to a list; the wire format (JSON / msgpack) requires a list.
+  constructor is normalized to a list, ``None`` means none (as in vLLM and the OpenAI API), and
+  numpy integers are accepted as token ids; the wire format (JSON / msgpack) requires a list.
+* ``seed``: an integer in [0, 2**64), or None. Every request's random numbers are keyed by its
+  seed and the position of the token they decide, so a seeded request's output does not depend
+  on its batch neighbours or on speculation (``engine.worker.keyed_random``); an unseeded one gets
+  a seed from the engine (``EngineConfig.seed`` and its arrival number).
+* ``top_k``: within int64 (it becomes a tensor element).
 * ``temperature < 1e-5`` (in practice 0) or ``top_k == 1`` means greedy (``is_greedy``): argmax
   of the raw logits, ties broken by the lowest token id; ``seed`` is then irrelevant. (Like vLLM:
   dividing by a tiny temperature would overflow float32 logits.)
@@ -26,6 +32,7 @@ Decisions, where vLLM/SGLang users might expect something else:
 from __future__ import annotations
 
 import enum
+import operator
 
 import msgspec
 from msgspec.structs import force_setattr
@@ -35,8 +42,22 @@ __all__ = ["GREEDY_TEMPERATURE_EPS", "RequestOutputKind", "SamplingParams"]
 GREEDY_TEMPERATURE_EPS = 1e-5
 
 
+_INT64_MAX = 2**63 - 1
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_int(value: object) -> object:
+    """numpy (and other ``__index__``) integers as ``int``; anything else unchanged (the checks
+    that follow reject it by name)."""
+    if isinstance(value, bool) or isinstance(value, int):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
 
 
 def _is_number(value: object) -> bool:
@@ -67,8 +88,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     max_tokens: int = 16
     min_tokens: int = 0
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
+    stop: list[str] | None = []
+    stop_token_ids: list[int] | None = []
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
@@ -85,12 +106,18 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # -- validation helpers (each raises ValueError naming the field) --
 
     def _normalize(self) -> None:
-        if isinstance(self.stop, str):
+        if self.stop is None:
+            force_setattr(self, "stop", [])
+        elif isinstance(self.stop, str):
             force_setattr(self, "stop", [self.stop])
         elif isinstance(self.stop, tuple):
             force_setattr(self, "stop", list(self.stop))
-        if isinstance(self.stop_token_ids, tuple):
-            force_setattr(self, "stop_token_ids", list(self.stop_token_ids))
+        if self.stop_token_ids is None:
+            force_setattr(self, "stop_token_ids", [])
+        elif not isinstance(self.stop_token_ids, (str, bytes, dict)) and hasattr(self.stop_token_ids, "__iter__"):
+            force_setattr(self, "stop_token_ids", [_as_int(t) for t in self.stop_token_ids])
+        if self.seed is not None and not isinstance(self.seed, bool):
+            force_setattr(self, "seed", _as_int(self.seed))
         for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
             if _is_int(value):
@@ -99,10 +126,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     def _check_ints(self) -> None:
         if not _is_int(self.n) or self.n != 1:
             raise ValueError(f"n must be 1 (only one sequence per request is supported), got {self.n!r}")
-        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
-            raise ValueError(f"top_k must be 0 or -1 (disabled) or >= 1, got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)) or self.top_k > _INT64_MAX:
+            raise ValueError(f"top_k must be 0 or -1 (disabled) or an integer in [1, 2**63), got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:

@@ -41,8 +41,7 @@ class WiredEngine:
 
 def load_and_wire(config: EngineConfig, target: TargetModel | None = None) -> WiredEngine:
     """Load the target (unless given) and wire an engine around it."""
-    spec_config = (SpeculativeConfig.from_dict(config.speculative_config)
-                   if config.speculative_config is not None else None)
+    spec_config = config.spec_config
     threads = set_torch_threads(config.num_threads)
     if target is None:
         target = load_target_model(config.model, dtype=config.dtype, device=config.device)
