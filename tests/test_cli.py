@@ -64,13 +64,13 @@ def _run_batch(jsonl_in, tmp_path, capsys, *flags) -> list[RequestOutput]:
 
 
 def test_batch_jsonl_no_spec_and_ngram_agree(engines, jsonl_in, tmp_path, capsys) -> None:
-    plain = _run_batch(jsonl_in, tmp_path, capsys, "--no-spec")
+    plain = _run_batch(jsonl_in, tmp_path, capsys, "--no-spec", "--raw")
     assert [o.request_id for o in plain] == ["first", "2", "4", "chat"]  # input order, line numbers
     assert [o.prompt for o in plain[:3]] == PROMPTS
     assert "Say hi" in plain[3].prompt and plain[3].prompt.endswith("assistant\n")
     assert len(plain[2].outputs[0].token_ids) == 5  # per-line sampling_params
     assert all(o.finished and o.outputs[0].text for o in plain)
-    spec = _run_batch(jsonl_in, tmp_path, capsys, "--spec-method", "ngram", "--num-spec-tokens", "3")
+    spec = _run_batch(jsonl_in, tmp_path, capsys, "--spec-method", "ngram", "--num-spec-tokens", "3", "--raw")
     assert [o.outputs[0].text for o in spec] == [o.outputs[0].text for o in plain]
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert sum(o.metrics.num_draft_tokens for o in spec) > 0  # speculation really ran
@@ -78,11 +78,18 @@ def test_batch_jsonl_no_spec_and_ngram_agree(engines, jsonl_in, tmp_path, capsys
         assert_all_blocks_free(llm.engine)
 
 
+def test_chat_template_by_default(engines, jsonl_in, tmp_path, capsys) -> None:
+    """An instruct model's string prompts get its chat template unless --raw (as llama.cpp's CLI)."""
+    default = _run_batch(jsonl_in, tmp_path, capsys, "--no-spec")
+    assert all(o.prompt.startswith("<|im_start|>") and o.prompt.endswith("assistant\n") for o in default)
+    assert "<|im_start|>user\nThe capital of France is<|im_end|>" in default[0].prompt
+
+
 def test_stream_one_prompt(engines, jsonl_in, tmp_path, capsys) -> None:
-    rc = main(["generate", PROMPTS[0], *COMMON, "--no-spec"])
+    rc = main(["generate", PROMPTS[0], *COMMON, "--no-spec", "--raw"])
     assert rc == 0
     captured = capsys.readouterr()
-    batch = _run_batch(jsonl_in, tmp_path, capsys, "--no-spec")
+    batch = _run_batch(jsonl_in, tmp_path, capsys, "--no-spec", "--raw")
     assert captured.out == batch[0].outputs[0].text + "\n"
     assert "1 request(s), 12 tokens" in captured.err
 

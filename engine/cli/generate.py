@@ -1,7 +1,11 @@
 """``tokenbudget generate``: one prompt streamed to the terminal, or a JSONL batch.
 
-    tokenbudget generate "Write a haiku about the sea" --chat --max-tokens 64
+    tokenbudget generate "Write a haiku about the sea" --max-tokens 64
     tokenbudget generate --input prompts.jsonl --output outputs.jsonl --spec-method ngram
+
+String prompts go through the model's chat template when it has one (as llama.cpp's CLI does:
+an instruct model given a raw completion prompt rarely says anything useful); ``--raw`` sends
+them as they are, ``--chat`` insists on the template (an error when the model has none).
 
 Input lines are JSON objects with ``prompt`` (or ``messages`` for chat, or ``prompt_token_ids``)
 and optional ``request_id`` and ``sampling_params``; a bare JSON string is a prompt. Output lines
@@ -16,6 +20,8 @@ import time
 
 import msgspec
 
+from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text (streamed, or a JSONL batch)")
@@ -23,7 +29,10 @@ def add_parser(sub) -> None:
     p.add_argument("--input", help="JSONL file of prompts")
     p.add_argument("--output", help="JSONL file for the outputs (default: stdout)")
     p.add_argument("--model", help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--chat", action="store_true", help="apply the model's chat template to string prompts")
+    template = p.add_mutually_exclusive_group()
+    template.add_argument("--chat", action="store_true",
+                          help="apply the model's chat template to string prompts (the default when it has one)")
+    template.add_argument("--raw", action="store_true", help="send string prompts as they are, without a chat template")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -60,31 +69,36 @@ def run(args) -> int:
     if (args.prompt is None) == (args.input is None):
         raise ValueError("give either a prompt or --input FILE")
     from tokenbudget.engine.api.llm import LLM
-    from tokenbudget.engine.api.sampling_params import SamplingParams
     options = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                    max_num_seqs=args.max_num_seqs, num_threads=args.threads,
                    speculative_config=speculative_config_from_args(args))
     llm = LLM(args.model, **options)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    chat = _use_chat_template(llm, args)
     if args.prompt is not None:
-        return _stream_one(llm, args.prompt, params, args.chat)
-    return _batch(llm, args, params)
+        return _stream_one(llm, args.prompt, params, chat)
+    return _batch(llm, args, params, chat)
+
+
+def _use_chat_template(llm, args) -> bool:
+    has = llm.tokenizer.chat_template is not None
+    if args.chat and not has:
+        raise ValueError("--chat: the model has no chat template (use --raw)")
+    return has and not args.raw
 
 
 def _stream_one(llm, prompt: str, params, chat: bool) -> int:
     if chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     engine = llm.engine
-    engine.add_request("cli-0", prompt, params)
-    start, shown, n_tokens = time.perf_counter(), 0, 0
+    engine.add_request("cli-0", prompt, msgspec.structs.replace(params, output_kind=RequestOutputKind.DELTA))
+    start, n_tokens = time.perf_counter(), 0
     while engine.has_unfinished_requests():
         for out in engine.step():
-            text = out.outputs[0].text
-            sys.stdout.write(text[shown:])
+            sys.stdout.write(out.outputs[0].text)
             sys.stdout.flush()
-            shown = len(text)
-            n_tokens = len(out.outputs[0].token_ids)
+            n_tokens += len(out.outputs[0].token_ids)
     elapsed = time.perf_counter() - start
     sys.stdout.write("\n")
     sys.stdout.flush()
@@ -93,7 +107,6 @@ def _stream_one(llm, prompt: str, params, chat: bool) -> int:
 
 
 def _read_inputs(path: str, llm, default_params, chat: bool):
-    from tokenbudget.engine.api.sampling_params import SamplingParams
     prompts, params, ids = [], [], []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -119,8 +132,8 @@ def _read_inputs(path: str, llm, default_params, chat: bool):
     return prompts, params, ids
 
 
-def _batch(llm, args, default_params) -> int:
-    prompts, params, ids = _read_inputs(args.input, llm, default_params, args.chat)
+def _batch(llm, args, default_params, chat: bool) -> int:
+    prompts, params, ids = _read_inputs(args.input, llm, default_params, chat)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
