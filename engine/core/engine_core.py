@@ -23,9 +23,11 @@ were (``kv_cache.journal`` says what a rollback after a forward pass keeps for s
   alone (twice), recursively, down to the requests whose presence makes a step fail: those
   finish with ``finish_reason="error"`` and the fault in ``RequestOutput.error``; the others go
   on, their output the same as in a fault-free run;
-* *engine-wide* faults (every suspect fails alone, or ``max_consecutive_failures`` failed
-  attempts in a row): the engine is dead; every later call raises ``EngineDeadError``, and every
-  request is released.
+* *engine-wide* faults: ``max_failed_steps`` steps in a row in which nothing could run (every
+  request of each failed alone) and the engine is dead; every later call raises
+  ``EngineDeadError``, and every request is released. A step whose requests all fail alone
+  cannot tell "every one of them is bad" from "the engine is broken"; a few such steps in a row
+  can: requests that are not bad keep arriving and keep failing.
 
 The commit cannot fail by design (no I/O, no model code); if it does anyway, the state may be
 half committed and the engine declares itself dead rather than serve from it. ``KeyboardInterrupt``
@@ -56,18 +58,19 @@ logger = logging.getLogger("tokenbudget")
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, runner, speculator: Speculator | None = None,
-                 output_processor: OutputProcessor | None = None, *, max_consecutive_failures: int = 8) -> None:
-        if max_consecutive_failures < 2:
-            raise ValueError(f"max_consecutive_failures must be >= 2, got {max_consecutive_failures}")
+                 output_processor: OutputProcessor | None = None, *, max_failed_steps: int = 4) -> None:
+        if max_failed_steps < 1:
+            raise ValueError(f"max_failed_steps must be >= 1, got {max_failed_steps}")
         self.scheduler = scheduler
         self.runner = runner
         self.speculator = speculator if speculator is not None else Speculator()
         self.outputs = output_processor if output_processor is not None else OutputProcessor(None)
-        self.max_consecutive_failures = max_consecutive_failures
+        self.max_failed_steps = max_failed_steps
         self.dead: EngineDeadError | None = None
         self.num_failed_attempts = 0
         self.num_errored_requests = 0
-        self._consecutive_failures = 0
+        self.failed_steps_in_a_row = 0  # steps in which no attempt that ran something passed
+        self._progress = False  # this step: an attempt that ran something passed
         self._participants: set[str] = set()
 
     # ------------------------------------------------------------------ requests (between steps)
@@ -102,12 +105,15 @@ class EngineCore:
         self.raise_if_dead()
         if not self.scheduler.has_unfinished_requests():
             return []
+        self._progress = False
         try:
-            return self._try(None)
+            outputs = self._try(None)
         except EngineDeadError:
             raise
         except Exception:
             return self._recover()
+        self.failed_steps_in_a_row = 0
+        return outputs
 
     def _attempt(self, only: Collection[str] | None) -> list[RequestOutput]:
         scheduler, speculator, outputs = self.scheduler, self.speculator, self.outputs
@@ -151,19 +157,17 @@ class EngineCore:
 
     # ------------------------------------------------------------------ faults
     def _try(self, only: Collection[str] | None) -> list[RequestOutput]:
-        """One attempt, counting failures; the engine dies after too many in a row."""
+        """One attempt; counts failures and notes progress (an attempt that ran something)."""
         try:
             outputs = self._attempt(only)
+        except EngineDeadError:
+            raise
         except Exception as fault:
             self.num_failed_attempts += 1
-            self._consecutive_failures += 1
-            logger.warning("tokenbudget: step failed (%s: %s); %d failure(s) in a row", type(fault).__name__,
-                           fault, self._consecutive_failures)
-            if self._consecutive_failures >= self.max_consecutive_failures:
-                self._die(fault)
+            logger.warning("tokenbudget: step failed (%s: %s)", type(fault).__name__, fault)
             raise
-        if self._participants:  # an attempt that ran nothing proves nothing
-            self._consecutive_failures = 0
+        if self._participants:
+            self._progress = True
         return outputs
 
     def _try_twice(self, only: Collection[str]) -> list[RequestOutput]:
@@ -175,19 +179,27 @@ class EngineCore:
             return self._try(only)
 
     def _recover(self) -> list[RequestOutput]:
-        """The step failed once: retry it, then isolate the requests that make it fail."""
-        suspects = sorted(self._participants) or sorted(self.scheduler.requests)
+        """The step failed once: retry it, then isolate the requests that make it fail; decide
+        whether the fault is the engine's (see the module docstring)."""
+        first_participants = self._participants
         try:
-            return self._try(None)  # transient faults pass here
+            outputs = self._try(None)  # transient faults pass here
         except EngineDeadError:
             raise
         except Exception as fault:
             last_fault = fault
-        outputs: list[RequestOutput] = []
+        else:
+            self.failed_steps_in_a_row = 0
+            return outputs
+        # Both attempts' participants: the two may fail at different points (a proposer fault
+        # sees only decoding requests), and a request blamed must have been in the failure.
+        suspects = sorted(first_participants | self._participants) or sorted(self.scheduler.requests)
+        outputs = []
         failed_alone: list[tuple[str, Exception]] = []
         self._isolate(suspects, last_fault, outputs, failed_alone)
-        if len(failed_alone) >= 2 and len(failed_alone) == len(suspects):
-            self._die(failed_alone[-1][1])  # every request fails alone: the fault is not theirs
+        self.failed_steps_in_a_row = 0 if self._progress else self.failed_steps_in_a_row + 1
+        if self.failed_steps_in_a_row >= self.max_failed_steps:
+            self._die(last_fault if not failed_alone else failed_alone[-1][1])
         for request_id, fault in failed_alone:
             out = self._fail_request(request_id, fault)
             if out is not None:
