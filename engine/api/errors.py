@@ -15,7 +15,13 @@ from __future__ import annotations
 
 
 class EngineDeadError(RuntimeError):
-    """The engine is dead; ``__cause__`` is the fault that killed it."""
+    """The engine is dead; ``__cause__`` is the fault that killed it. ``failed_alone``: the
+    requests of the last step, each of which failed alone too (empty when the engine died of too
+    many failed steps in a row)."""
+
+    def __init__(self, message: str, failed_alone: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.failed_alone = list(failed_alone or [])
 
 
 class RequestError(RuntimeError):

@@ -23,11 +23,10 @@ were (``kv_cache.journal`` says what a rollback after a forward pass keeps for s
   alone (twice), recursively, down to the requests whose presence makes a step fail: those
   finish with ``finish_reason="error"`` and the fault in ``RequestOutput.error``; the others go
   on, their output the same as in a fault-free run;
-* *engine-wide* faults: ``max_failed_steps`` steps in a row in which nothing could run (every
-  request of each failed alone) and the engine is dead; every later call raises
-  ``EngineDeadError``, and every request is released. A step whose requests all fail alone
-  cannot tell "every one of them is bad" from "the engine is broken"; a few such steps in a row
-  can: requests that are not bad keep arriving and keep failing.
+* *engine-wide* faults: every request of the failed step (two or more) fails alone too, or
+  ``max_failed_steps`` steps in a row in which nothing could run (a lone request failing alone
+  each time looks exactly like a bad request; a few in a row do not): the engine is dead, every
+  later call raises ``EngineDeadError``, and every request is released.
 
 The commit cannot fail by design (no I/O, no model code); if it does anyway, the state may be
 half committed and the engine declares itself dead rather than serve from it. ``KeyboardInterrupt``
@@ -197,6 +196,8 @@ class EngineCore:
         outputs = []
         failed_alone: list[tuple[str, Exception]] = []
         self._isolate(suspects, last_fault, outputs, failed_alone)
+        if len(failed_alone) >= 2 and len(failed_alone) == len(suspects):
+            self._die(failed_alone[-1][1], [rid for rid, _ in failed_alone])
         self.failed_steps_in_a_row = 0 if self._progress else self.failed_steps_in_a_row + 1
         if self.failed_steps_in_a_row >= self.max_failed_steps:
             self._die(last_fault if not failed_alone else failed_alone[-1][1])
@@ -233,8 +234,9 @@ class EngineCore:
                        type(fault).__name__, fault)
         return self._finish(request, f"{type(fault).__name__}: {fault}")
 
-    def _die(self, fault: BaseException) -> None:
-        dead = EngineDeadError(f"the engine stopped serving after {type(fault).__name__}: {fault}")
+    def _die(self, fault: BaseException, failed_alone: list[str] | None = None) -> None:
+        dead = EngineDeadError(f"the engine stopped serving after {type(fault).__name__}: {fault}",
+                               failed_alone or [])
         dead.__cause__ = fault
         self.dead = dead
         logger.error("tokenbudget: %s", dead)
@@ -248,7 +250,7 @@ class EngineCore:
     def raise_if_dead(self) -> None:
         """``EngineDeadError`` (caused by the fault that killed it) once the engine is dead."""
         if self.dead is not None:
-            raise EngineDeadError(str(self.dead)) from self.dead.__cause__
+            raise EngineDeadError(str(self.dead), self.dead.failed_alone) from self.dead.__cause__
 
     # ------------------------------------------------------------------ the one fan-out
     def _finish(self, request: Request, error: str | None = None) -> RequestOutput | None:

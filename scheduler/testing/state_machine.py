@@ -138,14 +138,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.twin.step(k, p_correct)
 
     def _engine_may_die(self, run) -> None:
-        """Run ``run``; the engine may die only as the EngineCore promises: after
-        ``max_failed_steps`` steps in a row in which every request failed alone (here: requests
-        all tied to faults, since the transient ones are absorbed by the retry)."""
+        """Run ``run``; the engine may die only as the EngineCore promises: when every request
+        of a step (two or more) failed alone, or after ``max_failed_steps`` steps in a row in which
+        nothing ran; here only requests tied to faults can fail alone (the retry absorbs the
+        transient ones)."""
         try:
             run()
-        except EngineDeadError:
+        except EngineDeadError as dead:
             core = self.h.core
-            assert core.failed_steps_in_a_row >= core.max_failed_steps, "the engine died too early"
+            if dead.failed_alone:  # every request of a step failed alone: all must be tied to faults
+                assert set(dead.failed_alone) <= self.poisoned, f"died blaming {dead.failed_alone}"
+            else:
+                assert core.failed_steps_in_a_row >= core.max_failed_steps, "the engine died too early"
             self._check_dead()
 
     @precondition(alive)
