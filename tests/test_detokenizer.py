@@ -141,3 +141,20 @@ def test_no_stop_and_stream_holdback(smol: Tokenizer) -> None:
     assert detok.stream_delta(finished=True, stop=["xyz"]) == "de"
     assert detok.stream_delta(finished=True) == ""
     assert detok.check_stop([]) == (None, -1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_text_does_not_depend_on_step_grouping(sp_tok: Tokenizer, data) -> None:
+    """Byte-fallback tokens, invalid UTF-8 included, in random step groupings: the same text as
+    one token at a time (a DELTA stream and a FINAL_ONLY output of one request agree)."""
+    byte_ids = st.integers(3, 3 + 255)  # <0x00>..<0xFF>
+    ids = data.draw(st.lists(st.one_of(byte_ids, st.sampled_from([259, 260, 262, 264])), min_size=1, max_size=24))
+    one_by_one, _ = _stream(sp_tok, [1], ids)
+    detok = IncrementalDetokenizer(sp_tok, [1])
+    deltas, i = [], 0
+    while i < len(ids):
+        n = data.draw(st.integers(1, 6))
+        deltas.append(detok.add_tokens(ids[i:i + n]))
+        i += n
+    assert "".join(deltas) == "".join(one_by_one) == detok.output_text

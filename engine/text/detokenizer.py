@@ -71,12 +71,19 @@ class IncrementalDetokenizer:
     def add_tokens(self, new_token_ids: Iterable[int]) -> str:
         """Append output tokens; return the newly finalized text (may be ``""``).
 
-        After a stop string matched (``check_stop``), further tokens are ignored.
+        Tokens are taken one at a time, so the text is a function of the token sequence alone,
+        not of how steps grouped it: where invalid bytes meet a held-back character, the number
+        of U+FFFD would otherwise depend on the grouping, and a DELTA stream, a CUMULATIVE one and
+        a FINAL_ONLY output (detokenized at the end) could disagree. After a stop string matched
+        (``check_stop``), further tokens are ignored.
         """
-        new = list(new_token_ids)
-        if self._stopped or not new:
+        pieces = [self._add_one(t) for t in new_token_ids]
+        return "".join(pieces)
+
+    def _add_one(self, token_id: int) -> str:
+        if self._stopped:
             return ""
-        self._ids.extend(new)
+        self._ids.append(token_id)
         prefix_text = self._tok.decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
         full_text = self._tok.decode(self._ids[self._prefix_offset:], self._skip)
         end = len(self._ids)
