@@ -2,8 +2,9 @@
 
 * ``spec_bench(per_category, categories)``: the first ``per_category`` questions of each
   Spec-Bench category (file order, so the sample is deterministic), first turn only, as
-  ``Prompt(category, qid, messages)``. The file is ``/work/shared/workloads/spec_bench/question.jsonl``
-  unless ``TOKENBUDGET_SPEC_BENCH`` points elsewhere.
+  ``Prompt(category, qid, messages)``. The file is ``benches/data/spec_bench/question.jsonl``
+  (a copy of Spec-Bench's, Apache-2.0; see its README) unless ``TOKENBUDGET_SPEC_BENCH`` points
+  elsewhere.
 * ``code_editing(n)``: 12 "Rewrite the following function so that <change>" prompts over
   realistic 10-30 line functions. This is the workload where prompt lookup shines: most of the
   answer is a copy of the prompt.
@@ -18,7 +19,8 @@ import json
 import os
 from dataclasses import dataclass
 
-SPEC_BENCH = os.environ.get("TOKENBUDGET_SPEC_BENCH", "/work/shared/workloads/spec_bench/question.jsonl")
+SPEC_BENCH = os.environ.get("TOKENBUDGET_SPEC_BENCH",
+                            os.path.join(os.path.dirname(__file__), "data", "spec_bench", "question.jsonl"))
 SPEC_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
                          "humanities", "translation", "summarization", "qa", "math_reasoning", "rag")
 

@@ -224,7 +224,7 @@ class KVCacheManager:
         return len(self.req_blocks.get(request_id, ()))
 
     def check_integrity(self) -> None:
-        """Invariant 4 of DESIGN.md: free + held (counted once) == total; refs match holders."""
+        """Invariant 4 of docs/DESIGN.md: free + held (counted once) == total; refs match holders."""
         pool = self.pool
         pool.check_integrity()
         refs: dict[int, int] = {}

@@ -1,4 +1,4 @@
-"""Invariant checks over scheduler + KV cache (DESIGN.md invariants 3-6).
+"""Invariant checks over scheduler + KV cache (docs/DESIGN.md invariants 3-6).
 
 Called by tests and the fuzzer after every operation; cheap enough for that, not for serving.
 """

@@ -1,4 +1,4 @@
-"""Bad input gets a ValueError naming the problem and disturbs nothing else (DESIGN.md conventions).
+"""Bad input gets a ValueError naming the problem and disturbs nothing else (docs/DESIGN.md conventions).
 
 Each bad request is offered to a scheduler that is mid-flight (requests running, blocks held,
 some waiting); the whole scheduler state must be unchanged afterwards, and the good requests must

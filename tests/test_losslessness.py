@@ -1,4 +1,4 @@
-"""DESIGN.md invariant 8 as a property: whatever the drafts, acceptance pattern, chunking,
+"""docs/DESIGN.md invariant 8 as a property: whatever the drafts, acceptance pattern, chunking,
 preemptions, arrival order and aborts, every completed request's token stream equals its solo,
 draft-free reference run (fake deterministic model over the real paged KV cache)."""
 

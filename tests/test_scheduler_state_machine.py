@@ -1,4 +1,4 @@
-"""The stateful Hypothesis test over scheduler + KV cache (DESIGN.md invariants 1-8)."""
+"""The stateful Hypothesis test over scheduler + KV cache (docs/DESIGN.md invariants 1-8)."""
 
 from hypothesis import HealthCheck, settings
 

@@ -7,7 +7,7 @@ first (cheap, every combination), then the default model (SmolLM2-135M-Instruct 
 chat prompts including a code-editing one where n-gram drafts hit often.
 
 The reference is ONE plain engine with the default config: plain decoding itself must not depend
-on chunking or preemption (DESIGN.md invariant 8), so the "none" rows check that too.
+on chunking or preemption (docs/DESIGN.md invariant 8), so the "none" rows check that too.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register the ``fuzz`` subcommand on an ``argparse`` subparsers object."""
     parser = subparsers.add_parser(
         "fuzz", help="fuzz the scheduler and KV cache against their invariants",
-        description="Run the scheduler state machine under Hypothesis (DESIGN.md invariants 1-8).")
+        description="Run the scheduler state machine under Hypothesis (docs/DESIGN.md invariants 1-8).")
     return _configure(parser)
 
 

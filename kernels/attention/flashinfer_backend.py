@@ -22,7 +22,7 @@ State: the wrappers hold the plan, so metadata is valid until the next ``build_m
 the same backend (checked: each metadata records the plan generation). Use one backend
 instance per model (target and drafter each their own).
 
-Batch invariance (DESIGN.md, "Lossless in floating point"): a decode batch runs the decode
+Batch invariance (docs/DESIGN.md, "Lossless in floating point"): a decode batch runs the decode
 kernel, a verify the prefill kernel, so a position's arithmetic may differ between plain and
 speculative decoding. ``use_decode_kernel=False`` sends every batch through the prefill wrapper
 and ``deterministic=True`` disables split-kv; whether either makes greedy outputs identical is

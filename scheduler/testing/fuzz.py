@@ -2,7 +2,7 @@
 
 ``run_fuzz`` drives ``machine_for(config)`` (random small configurations when ``config`` is None,
 else that one configuration) for ``examples`` programs of up to ``steps`` rules each. Every step
-checks DESIGN.md invariants 1-8 (see ``state_machine.py``).
+checks docs/DESIGN.md invariants 1-8 (see ``state_machine.py``).
 
 Reproducibility: a run is a pure function of ``(seed, config, steps, examples)``. When no seed is
 given one is drawn and printed, so every run can be replayed. No example database is used (a
