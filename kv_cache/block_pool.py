@@ -53,26 +53,29 @@ class BlockPool:
         """Take ``n`` blocks from the front of the free queue, evicting their hashes."""
         if n > len(self.free_queue):
             raise ValueError(f"cannot allocate {n} blocks, only {len(self.free_queue)} free")
-        popleft, journal = self.free_queue.popleft, self.journal
-        out = []
+        popleft = self.free_queue.popleft
+        out, evicted = [], []
         for _ in range(n):
             block = popleft()
-            evicted = block.block_hash
-            if evicted is not None:
+            block_hash = block.block_hash
+            if block_hash is not None:
                 self._evict(block)
             block.ref_cnt = 1
-            if journal is not None:
-                journal.record(self._undo_new, block, evicted)
             out.append(block)
+            evicted.append(block_hash)
+        if self.journal is not None:
+            self.journal.record(self._undo_new, out, evicted)
         return out
 
-    def _undo_new(self, dirty: bool, block: KVBlock, evicted: int | None) -> None:
-        block.ref_cnt = 0
-        self.free_queue.restore_front(block)
-        if evicted is not None and not dirty and evicted not in self.cached:
-            block.block_hash = evicted
-            self.cached[evicted] = block
-            self.num_evictions -= 1
+    def _undo_new(self, dirty: bool, blocks: list[KVBlock], evicted: list[int | None]) -> None:
+        restore_front, cached = self.free_queue.restore_front, self.cached
+        for block, block_hash in zip(reversed(blocks), reversed(evicted)):
+            block.ref_cnt = 0
+            restore_front(block)
+            if block_hash is not None and not dirty and block_hash not in cached:
+                block.block_hash = block_hash
+                cached[block_hash] = block
+                self.num_evictions -= 1
 
     def _evict(self, block: KVBlock) -> None:
         if self.cached.get(block.block_hash) is block:

@@ -20,16 +20,16 @@ class UndoLog:
     __slots__ = ("_entries",)
 
     def __init__(self) -> None:
-        self._entries: list[tuple[Callable, tuple]] = []
+        self._entries: list[tuple] = []  # (undo, *args): one object per record, GC-cheap
 
     def record(self, undo: Callable, *args) -> None:
         """``undo(dirty, *args)`` reverses one change."""
-        self._entries.append((undo, args))
+        self._entries.append((undo, *args))
 
     def rollback(self, dirty: bool) -> None:
         entries, self._entries = self._entries, []
-        for undo, args in reversed(entries):
-            undo(dirty, *args)
+        for entry in reversed(entries):
+            entry[0](dirty, *entry[1:])
 
     def __len__(self) -> int:
         return len(self._entries)

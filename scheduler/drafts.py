@@ -23,8 +23,11 @@ from tokenbudget.scheduler.request import Request
 
 def draft_limit(request: Request, max_model_len: int, k: int | None = None) -> int:
     """Most drafts worth verifying for ``request`` next step (>= 0), at most ``k`` if given."""
-    limit = min(max_model_len - len(request.all_token_ids) - 1,
-                request.max_tokens - request.num_output_tokens - 1)
+    num_tokens = len(request.all_token_ids)
+    limit = max_model_len - num_tokens - 1
+    left = request.max_tokens - (num_tokens - len(request.prompt_token_ids)) - 1  # output tokens left - 1
+    if left < limit:
+        limit = left
     if request.max_spec_tokens is not None and request.max_spec_tokens < limit:
         limit = request.max_spec_tokens
     if k is not None and k < limit:

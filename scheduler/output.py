@@ -80,11 +80,13 @@ class ModelRunnerOutput:
     logprobs: list[list] | None = None
 
 
-@dataclass(slots=True)
-class EngineCoreOutput:
+class EngineCoreOutput(msgspec.Struct, gc=False):
     """What a step does for one request: ``Scheduler.plan_update`` builds it without changing
     anything, the output processor may end the request at a stop string (``finish_status``,
-    ``stop_reason``, fewer ``new_token_ids``), and ``Scheduler.apply_update`` commits it."""
+    ``stop_reason``, fewer ``new_token_ids``), and ``Scheduler.apply_update`` commits it.
+
+    ``gc=False``: one per request per step, holding only ids and numbers (no cycles possible);
+    untracked, they do not push the cyclic GC into full collections over every token list."""
 
     request_id: str
     new_token_ids: list[int]

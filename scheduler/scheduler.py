@@ -107,24 +107,25 @@ class Scheduler:
         """Set next step's drafts (and their probabilities), each cut to ``draft_limit``."""
         max_model_len = self.config.max_model_len
         probs = batch.probs if batch.probs is not None else [None] * len(batch.request_ids)
-        changed: list[Request] = []
-        kept: dict[int, tuple[list[int], object]] = {}  # only the requests that had drafts already
+        requests = self.requests
+        previous: list = []  # request, its drafts, their probs, ...: flat (no tuple per request for the GC)
         for rid, tokens, q in zip(batch.request_ids, batch.token_ids, probs):
-            request = self.requests.get(rid)
+            request = requests.get(rid)
             if request is None or request.status != RUNNING:
                 continue
-            n = min(len(tokens), draft_limit(request, max_model_len))
-            if request.spec_token_ids or request.spec_probs is not None:
-                kept[id(request)] = (request.spec_token_ids, request.spec_probs)
-            changed.append(request)
-            request.spec_token_ids = list(tokens[:n])
+            n = draft_limit(request, max_model_len)
+            if n > len(tokens):
+                n = len(tokens)
+            previous += (request, request.spec_token_ids, request.spec_probs)
+            request.spec_token_ids = tokens[:n]
             request.spec_probs = q[:n] if q is not None and n else None
-        self._journal.record(self._undo_drafts, changed, kept)
+        self._journal.record(self._undo_drafts, previous)
 
     @staticmethod
-    def _undo_drafts(dirty: bool, changed: list[Request], kept: dict) -> None:
-        for request in changed:
-            request.spec_token_ids, request.spec_probs = kept.get(id(request), ([], None))
+    def _undo_drafts(dirty: bool, previous: list) -> None:
+        for i in range(0, len(previous), 3):
+            request = previous[i]
+            request.spec_token_ids, request.spec_probs = previous[i + 1], previous[i + 2]
 
     def schedule(self, only: Collection[str] | None = None) -> SchedulerOutput:
         """This step's batch. ``only``: schedule just these request ids (fault isolation)."""

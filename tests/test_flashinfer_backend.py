@@ -2,7 +2,7 @@
 
 The page-table build and import safety run everywhere; the attention comparisons need CUDA and
 flashinfer (``cuda`` marker; skipped otherwise). On the GPU box set the FlashInfer JIT variables
-from shared/gpu/RECIPE.md first (bf16, head_dim 128, fa2).
+for bf16, head_dim 128 and the fa2 backend first.
 """
 
 from __future__ import annotations
