@@ -20,6 +20,7 @@ _LAZY = {  # heavy (torch, model code): imported on first use
     "LLM": "tokenbudget.engine.api.llm",
     "LLMEngine": "tokenbudget.engine.api.llm_engine",
     "AsyncLLM": "tokenbudget.engine.api.async_llm",
+    "EngineCore": "tokenbudget.engine.core.engine_core",
 }
 
 
@@ -30,6 +31,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'tokenbudget' has no attribute {name!r}")
 
 
-__all__ = ["AsyncLLM", "CompletionOutput", "EngineConfig", "EngineDeadError", "GenerateRequest", "LLM",
+__all__ = ["AsyncLLM", "CompletionOutput", "EngineConfig", "EngineCore", "EngineDeadError", "GenerateRequest", "LLM",
            "LLMEngine", "RequestError", "RequestMetrics", "RequestOutput", "RequestOutputKind",
            "SamplingParams"]
