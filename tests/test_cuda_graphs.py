@@ -163,3 +163,13 @@ def test_real_cuda_graphs_match_eager():
     want = model(ids, pos, backend.build_metadata(qo, kv, tables, slots), eager)
     got = runner(ids, pos, backend.build_metadata(qo, kv, tables, slots), caches)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_logits_are_not_rounded_to_bf16():
+    model = build_model(CFG, random_state_dict(CFG, seed=4), torch.bfloat16, "cpu")
+    hidden = torch.randn(3, CFG.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32
+    assert not torch.equal(logits, logits.bfloat16().float())
+    ref = hidden.float() @ model.embed.float().t()
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)

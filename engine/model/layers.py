@@ -61,6 +61,17 @@ class Linear:
         self.weight, self.bias = weight, bias
         self.packed = _prepack(weight)
 
+    def fp32_out(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` accumulated AND returned in fp32 (logits): rounding a bf16/fp16 GEMM's
+        output before ``.float()`` turns tiny differences into argmax flips."""
+        if x.dtype == torch.float32:
+            return self(x)
+        if x.device.type == "cuda":
+            y = torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+            return y if self.bias is None else y + self.bias.float()
+        return F.linear(x.float(), self.weight.float(),
+                        None if self.bias is None else self.bias.float())
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
