@@ -77,7 +77,11 @@ def wire_engine(config: EngineConfig, target: TargetModel, spec_config: Speculat
         long_prefill_token_threshold=config.long_prefill_token_threshold, num_lookahead_tokens=lookahead)
     scheduler = Scheduler(sched_config)
     kv_caches = allocate_kv_caches(mcfg, num_blocks, config.block_size, dtype, device)
-    runner = ModelRunner(model, mcfg, kv_caches, config.block_size, Sampler(), device)
+    if config.deterministic:
+        from tokenbudget.engine.worker.deterministic import apply_deterministic_mode
+        apply_deterministic_mode(model, device)
+    runner = ModelRunner(model, mcfg, kv_caches, config.block_size, Sampler(), device,
+                         deterministic=config.deterministic)
     if config.cuda_graphs:
         _wrap_in_cuda_graphs(runner, kv_caches, spec_config, max_model_len, config)
     speculator = _build_speculator(spec_config, target, scheduler, runner) if spec_config else Speculator()
