@@ -6,6 +6,7 @@ Without CUDA the kernel runs under Triton's interpreter in a child process (see
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from triton_interp import needs_cuda, needs_triton, run_interpreted  # noqa: E402
@@ -35,6 +36,7 @@ def test_batch_invariant_matmul_interpreted():
     run_interpreted(__file__, globals(), "_check_matmul", "cpu")
 
 
+@pytest.mark.cuda
 @needs_triton
 @needs_cuda
 def test_batch_invariant_matmul_cuda():
@@ -75,6 +77,5 @@ def test_deterministic_mode_is_a_noop_on_cpu_without_the_interpreter(monkeypatch
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert apply_deterministic_mode(object(), "cpu") is False
     assert EngineConfig(deterministic=True).deterministic
-    import pytest
     with pytest.raises(ValueError, match="deterministic"):
         EngineConfig(deterministic="yes")

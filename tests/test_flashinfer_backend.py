@@ -77,7 +77,7 @@ def test_graph_verify_plan_and_bits_equal_eager():
     be = _standin()
     (eager, _), _ = _attend(be, [4, 4], [500, 900], seed=3, pad=0)
     qo_, kv, tables, slots, cache, q, k, v = _batch([4, 4], [500, 900], 3, "cpu", SHAPE_8B, 0)
-    state = be.graph_state(batch_size=4, q_len=4, max_pages=4 * 64)
+    state = be.graph_state(batch_size=32, q_len=4, max_pages=32 * 64)  # 30 dummy requests
     md = state.prepare(qo_, kv, tables, slots)
     n = md.num_tokens
     padq = torch.cat([q, q.new_zeros(n - q.shape[0], *q.shape[1:])])
