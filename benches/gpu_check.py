@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, default=4, help="spec_equiv requests")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--kv-mib", type=int, default=4096)
+    p.add_argument("--kv-mib", type=int, default=8192)
     p.add_argument("--no-pytest", dest="pytest", action="store_false")
     p.add_argument("--sections", default=",".join(SECTIONS))
     args = p.parse_args(argv)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 
 import flashinfer_standin as fis
+import msgspec
 import pytest
 import torch
 from test_batch_invariance import random_state_dict
@@ -146,10 +147,8 @@ HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 @pytest.mark.skipif(not HAS_FLASHINFER, reason="flashinfer is not installed")
 def test_real_cuda_graphs_match_eager():
     dev = torch.device("cuda")
-    model = build_model(CFG.__class__(**{**{f: getattr(CFG, f) for f in CFG.__struct_fields__},
-                                         "head_dim": 64}), random_state_dict(
-        ModelConfig(**{**{f: getattr(CFG, f) for f in CFG.__struct_fields__}, "head_dim": 64}),
-        seed=4), torch.bfloat16, dev)
+    cfg = msgspec.structs.replace(CFG, head_dim=64)  # FlashInfer wants head_dim >= 64
+    model = build_model(cfg, random_state_dict(cfg, seed=4), torch.bfloat16, dev)
     spec = AttentionSpec(CFG.num_attention_heads, CFG.num_key_value_heads, 64, BLOCK, torch.bfloat16)
     caches = [torch.zeros(NUM_BLOCKS, 2, BLOCK, CFG.num_key_value_heads, 64, dtype=torch.bfloat16,
                           device=dev) for _ in range(CFG.num_hidden_layers)]

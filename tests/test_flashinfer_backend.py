@@ -110,6 +110,27 @@ def test_deterministic_disables_the_prefill_split():
         be = _standin(deterministic=det)
         _attend(be, [64, 64], [3000, 64], seed=4, pad=0)
         assert be._prefill.plans[-1].split_kv is split
+        # decode rows: never CUDA-core decode (whose plan ignores disable_split_kv), never split
+        assert all(w.use_tensor_cores and not w.plans[-1].split_kv for w in be._uniform.values())
+
+
+def test_model_runner_passes_deterministic_to_the_selector(monkeypatch):
+    from tokenbudget.engine.model.config import ModelConfig
+    from tokenbudget.engine.worker import model_runner
+    from tokenbudget.kernels.attention.torch_ref import TorchRefBackend
+
+    seen = {}
+
+    def select(device, spec, *, deterministic=False):
+        seen["deterministic"] = deterministic
+        return TorchRefBackend(spec, device)
+
+    monkeypatch.setattr(model_runner, "select_attention_backend", select)
+    cfg = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
+    cache = [torch.zeros(2, 2, 16, 1, 4)]
+    model_runner.ModelRunner(None, cfg, cache, 16, None, "cpu", deterministic=True)
+    assert seen == {"deterministic": True}
 
 
 # ---- GPU ----------------------------------------------------------------------------------
