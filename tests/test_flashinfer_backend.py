@@ -54,10 +54,20 @@ def _attend(backend, q_lens, kv_lens, seed, spec=SHAPE_8B, pad=3):
 
 
 def test_padding_rows_zero_and_output_is_the_run_buffer():
+    """Padding (the model's rows past T, a graph bucket's padding requests) is zeroed in the
+    buffer the kernel wrote: no per-layer [T, H, D] zero tensor, no torch.where copy."""
     be = _standin()
-    (out, _), qo = _attend(be, [3, 1], [40, 17], seed=1)
+    (out, _), qo = _attend(be, [3, 3], [40, 17], seed=1)
     t = qo[-1]
     assert out.shape[0] == t + 3 and torch.count_nonzero(out[t:]) == 0
+    assert out.data_ptr() == be.uniform_wrapper(3).last_out.data_ptr()
+    qo, kv, tables, slots, cache, q, k, v = _batch([1, 1], [40, 17], 1, "cpu", SHAPE_8B, 0)
+    state = be.graph_state(batch_size=4, q_len=1, max_pages=64)
+    md = state.prepare(qo, kv, tables, slots)
+    for rows in (4, 8):  # bucket rows exactly, and padded further by the model
+        got = be.attend(torch.cat([q, q.new_ones(rows - 2, *q.shape[1:])]), cache, md)
+        assert got.data_ptr() == state.wrapper.last_out.data_ptr()
+        assert torch.count_nonzero(got[2:]) == 0 and torch.count_nonzero(got[:2]) > 0
 
 
 def test_decode_row_bits_do_not_depend_on_neighbours():
