@@ -51,7 +51,7 @@ from tokenbudget.kernels.attention.base import (
 from tokenbudget.kernels.kv_write import write_kv as _write_kv
 
 DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
-MIN_HEAD_DIM = 64  # FlashInfer's prebuilt/JIT fa2 paged kernels are instantiated for 64, 128, 256
+MIN_HEAD_DIM = 64  # below this the review found FlashInfer 0.6.18 refusing (not yet seen on a GPU)
 
 
 def flashinfer_refusal(spec: AttentionSpec, device: torch.device) -> str:
@@ -115,7 +115,8 @@ UNIFORM_MAX_Q_LEN = 16  # q_len up to this runs through tensor-core decode (q_le
 
 def eager_workspace_bytes(spec: AttentionSpec, num_sms: int) -> int:
     """Split-KV scratch the largest eager prefill plan can reserve (scheduler.cuh, PrefillPlan):
-    a split plan keeps at most ``2 * num_sms / num_kv_heads`` work tiles of up to 128 rows."""
+    FlashInfer splits only when the split batch fits ``2 * num_sms / num_kv_heads`` work tiles,
+    each of at most 128 rows: ``tmp_v`` (head_dim floats per row and head) plus ``tmp_s``."""
     tiles = 2 * num_sms // spec.num_kv_heads
     return spec.num_heads * tiles * 128 * (spec.head_dim + 1) * 4 + (1 << 20)
 
