@@ -55,12 +55,13 @@ def _prepack(weight: torch.Tensor):
 class Linear:
     """``y = x @ W.T + b`` through oneDNN with a prepacked weight when available."""
 
-    __slots__ = ("weight", "bias", "packed", "invariant")
+    __slots__ = ("weight", "bias", "packed", "invariant", "_fp32")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
         self.packed = _prepack(weight)
         self.invariant = False  # deterministic mode: the batch-invariant Triton matmul
+        self._fp32: Linear | None = None  # CPU fp32 copy for fp32_out, made on first use
 
     def _invariant(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         from tokenbudget.kernels.batch_invariant_matmul import matmul_batch_invariant
@@ -77,8 +78,9 @@ class Linear:
         if x.device.type == "cuda":
             y = torch.mm(x, self.weight.t(), out_dtype=torch.float32)
             return y if self.bias is None else y + self.bias.float()
-        return F.linear(x.float(), self.weight.float(),
-                        None if self.bias is None else self.bias.float())
+        if self._fp32 is None:  # CPU: a prepacked fp32 copy (upcasting per call costs ~25x)
+            self._fp32 = Linear(self.weight.float(), None if self.bias is None else self.bias.float())
+        return self._fp32(x.float())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.invariant:
