@@ -112,7 +112,7 @@ def test_decode_and_verify_replays_match_eager(setup):
     _compare(setup, [1, 1], [9, 40], seed=1)        # (2, 1): T = 2, the model pads to 4
     _compare(setup, [1], [130], seed=2)
     _compare(setup, [3, 3, 3], [20, 33, 100], seed=3)
-    _compare(setup, [3, 3], [3, 7], seed=4)         # (2, 3) padded to B = 2 by a dummy? no: B = 2
+    _compare(setup, [3, 3], [3, 7], seed=4)         # (2, 3): T = 6, the model pads to 8
 
 
 def test_varying_draft_counts_are_padded_into_the_graph(setup):
