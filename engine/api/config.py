@@ -33,6 +33,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # CUDA only: capture decode/verify batches in CUDA graphs at start-up (needs FlashInfer and
     # triton). Off by default until it has been validated on a GPU (see benches/RESULTS.md).
     cuda_graphs: bool = False
+    # CUDA: batch-invariant mode (engine/worker/deterministic.py): greedy speculation
+    # bit-identical to plain decoding, at a speed cost. CPU is batch-invariant already.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
@@ -45,6 +48,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold!r}")
+        for name in ("cuda_graphs", "deterministic"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of auto/float32/bfloat16/float16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):

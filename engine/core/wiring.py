@@ -77,7 +77,11 @@ def wire_engine(config: EngineConfig, target: TargetModel, spec_config: Speculat
         long_prefill_token_threshold=config.long_prefill_token_threshold, num_lookahead_tokens=lookahead)
     scheduler = Scheduler(sched_config)
     kv_caches = allocate_kv_caches(mcfg, num_blocks, config.block_size, dtype, device)
-    runner = ModelRunner(model, mcfg, kv_caches, config.block_size, Sampler(), device)
+    if config.deterministic:
+        from tokenbudget.engine.worker.deterministic import apply_deterministic_mode
+        apply_deterministic_mode(model, device)
+    runner = ModelRunner(model, mcfg, kv_caches, config.block_size, Sampler(), device,
+                         deterministic=config.deterministic)
     if config.cuda_graphs:
         _wrap_in_cuda_graphs(runner, kv_caches, spec_config, max_model_len, config)
     speculator = _build_speculator(spec_config, target, scheduler, runner) if spec_config else Speculator()
@@ -108,7 +112,9 @@ def _wrap_in_cuda_graphs(runner: ModelRunner, kv_caches, spec_config, max_model_
     if runner.device.type != "cuda" or runner.attn_backend.name != "flashinfer" or not HAS_TRITON:
         raise ValueError("cuda_graphs=True needs device='cuda' with flashinfer and triton installed")
     from tokenbudget.engine.worker.cuda_graphs import CUDAGraphRunner
-    ks = (0,) if spec_config is None or spec_config.is_adaptive else (0, spec_config.max_spec_tokens)
+    # Draft counts below the captured k are padded into the k bucket (adaptive and n-gram
+    # drafts vary per request), so one verify bucket covers every k <= max_spec_tokens.
+    ks = (0,) if spec_config is None else (0, spec_config.max_spec_tokens)
     sizes = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= config.max_num_seqs)
     graphs = CUDAGraphRunner(runner.model, kv_caches, runner.attn_backend, batch_sizes=sizes,
                              draft_lens=ks, max_pages_per_req=-(-max_model_len // config.block_size))

@@ -55,13 +55,36 @@ def _prepack(weight: torch.Tensor):
 class Linear:
     """``y = x @ W.T + b`` through oneDNN with a prepacked weight when available."""
 
-    __slots__ = ("weight", "bias", "packed")
+    __slots__ = ("weight", "bias", "packed", "invariant", "_fp32")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
         self.packed = _prepack(weight)
+        self.invariant = False  # deterministic mode: the batch-invariant Triton matmul
+        self._fp32: Linear | None = None  # CPU fp32 copy for fp32_out, made on first use
+
+    def _invariant(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        from tokenbudget.kernels.batch_invariant_matmul import matmul_batch_invariant
+        y = matmul_batch_invariant(x, self.weight, out_dtype=out_dtype)
+        return y if self.bias is None else y + self.bias.to(out_dtype)
+
+    def fp32_out(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` accumulated AND returned in fp32 (logits): rounding a bf16/fp16 GEMM's
+        output before ``.float()`` turns tiny differences into argmax flips."""
+        if x.dtype == torch.float32:
+            return self(x)
+        if self.invariant:
+            return self._invariant(x, torch.float32)
+        if x.device.type == "cuda":
+            y = torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+            return y if self.bias is None else y + self.bias.float()
+        if self._fp32 is None:  # CPU: a prepacked fp32 copy (upcasting per call costs ~25x)
+            self._fp32 = Linear(self.weight.float(), None if self.bias is None else self.bias.float())
+        return self._fp32(x.float())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant:
+            return self._invariant(x, x.dtype)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

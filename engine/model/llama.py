@@ -146,4 +146,4 @@ class LlamaForCausalLM(torch.nn.Module):
         sp = pad_rows(s)
         if sp != s:
             hidden = F.pad(hidden, (0, 0, 0, sp - s))
-        return self.lm_head(hidden.contiguous())[:s].float()
+        return self.lm_head.fp32_out(hidden.contiguous())[:s]

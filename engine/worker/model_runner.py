@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, model, config: ModelConfig, kv_caches: list[torch.Tensor], block_size: int,
                  sampler, device: torch.device | str = "cpu",
-                 attn_backend: AttentionBackend | None = None):
+                 attn_backend: AttentionBackend | None = None, deterministic: bool = False):
         if len(kv_caches) != config.num_hidden_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for {config.num_hidden_layers} layers")
         if kv_caches and kv_caches[0].shape[2] != block_size:
@@ -50,7 +50,7 @@ class ModelRunner:
             spec = AttentionSpec(config.num_attention_heads, config.num_key_value_heads,
                                  config.resolved_head_dim, block_size,
                                  kv_caches[0].dtype if kv_caches else torch.float32)
-            attn_backend = select_attention_backend(self.device, spec)
+            attn_backend = select_attention_backend(self.device, spec, deterministic=deterministic)
         self.attn_backend = attn_backend
         # (tokens, seconds) of the last step, for the draft-length controller's cost model.
         self.last_step: tuple[int, float] | None = None

@@ -1,39 +1,38 @@
-"""FlashInfer attention backend (CUDA), written against flashinfer-python 0.6.18.
+"""FlashInfer attention backend (CUDA), written against flashinfer-python 0.6.18.post1.
 
 Implements :class:`kernels.attention.base.AttentionBackend` over the same per-layer cache tensor
 ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (FlashInfer's combined NHD layout).
 
-Per step (``build_metadata``, host work, once for all layers):
+Per step (``build_metadata``, host work, once for all layers) the page table goes to CSR form
+(``kv_indptr``, ``kv_indices``, ``kv_last_page_len``; int32 host tensors) and the requests are
+split into GROUPS by query length, each planned on its own wrapper:
 
-* the page table goes to CSR form: ``kv_indptr[B+1]``, ``kv_indices`` (the first
-  ``ceil(kv_len / block_size)`` blocks of each request), ``kv_last_page_len[B]`` in
-  ``1..block_size``; int32 host tensors, copied to the device by ``plan()``;
-* a batch whose requests all have ``q_len == 1`` is planned on a
-  ``BatchDecodeWithPagedKVCacheWrapper``; any other batch (prefill chunks, (1 + k)-token
-  verifies, decodes, mixed) on a ``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True``,
-  which FlashInfer aligns bottom-right (query row i of a request sees keys
-  ``0 .. kv_len - q_len + i``), exactly what chunks and verifies need;
-* exactly one ``plan()``; every layer's ``attend`` then calls ``run()`` on the planned wrapper.
+* requests with ``q_len = L <= UNIFORM_MAX_Q_LEN`` (decodes, L = 1; (1 + k)-token verifies) go
+  through a tensor-core ``BatchDecodeWithPagedKVCacheWrapper`` planned with ``q_len_per_req=L``
+  and ``disable_split_kv=True``. Tensor-core decode runs FlashInfer's *prefill* kernel with a
+  tile sized for exactly L rows; without a KV split, a row's arithmetic depends only on its own
+  request: not on its neighbours in a mixed batch, not on the batch size, not on whether the
+  step runs eagerly or as a CUDA-graph replay (the graph wrappers are planned the same way);
+* the rest (prefill chunks) go through one ``BatchPrefillWithPagedKVCacheWrapper``
+  (``causal=True``, bottom-right aligned), split-KV as FlashInfer chooses unless
+  ``deterministic=True``.
+
+Cost of the no-split rule: a small batch with a long context gets fewer CTAs (no split-KV
+parallelism); ``benches/gpu_check.py`` measures it (the verify-cost curve).
+
+Planning is lazy: ``build_metadata`` records the groups, the first layer's ``attend`` plans
+them (exactly one ``plan()`` per group per step). A CUDA-graph replay builds its own plan
+(:class:`GraphAttentionState`), so a replayed step never plans the eager wrappers.
 
 ``write_kv`` is the slot-mapping write of ``kernels.kv_write`` (Triton on CUDA when triton is
-installed, else torch index_put); padding rows past ``num_tokens`` are not written.
+installed, else torch index_put); rows past ``num_tokens`` and slots -1 are not written.
 
 State: the wrappers hold the plan, so metadata is valid until the next ``build_metadata`` on
-the same backend (checked: each metadata records the plan generation). Use one backend
-instance per model (target and drafter each their own).
+the same backend (checked through a generation counter). One backend instance per model.
 
-Batch invariance (docs/DESIGN.md, "Lossless in floating point"): a decode batch runs the decode
-kernel, a verify the prefill kernel, so a position's arithmetic may differ between plain and
-speculative decoding. ``use_decode_kernel=False`` sends every batch through the prefill wrapper
-and ``deterministic=True`` disables split-kv; whether either makes greedy outputs identical is
-a GPU measurement still owed, not a promise.
-
-CUDA graphs: :meth:`FlashInferBackend.graph_state` builds a :class:`GraphAttentionState` for one
-(batch size, query length) bucket, with ``use_cuda_graph=True`` wrappers over fixed buffers;
-``plan()`` stays outside the graph and refills those buffers before each replay
-(see ``engine/cuda_graphs.py``).
-
-Import-safe without flashinfer or CUDA: flashinfer is imported in ``__init__`` only.
+Import-safe without flashinfer or CUDA: flashinfer is imported in ``__init__`` only, and a
+stand-in module with the same wrapper signatures may be passed instead (``flashinfer=``; the
+CPU tests do, see ``tests/flashinfer_standin.py``).
 """
 
 from __future__ import annotations
@@ -52,6 +51,18 @@ from tokenbudget.kernels.attention.base import (
 from tokenbudget.kernels.kv_write import write_kv as _write_kv
 
 DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
+MIN_HEAD_DIM = 64  # below this the review found FlashInfer 0.6.18 refusing (not yet seen on a GPU)
+
+
+def flashinfer_refusal(spec: AttentionSpec, device: torch.device) -> str:
+    """Why the real FlashInfer cannot serve ``spec`` on ``device`` ("" when it can)."""
+    if device.type != "cuda":
+        return f"needs a CUDA device, got {device}"
+    if spec.dtype not in (torch.float16, torch.bfloat16):
+        return f"needs a float16/bfloat16 KV cache, got {spec.dtype}"
+    if spec.head_dim < MIN_HEAD_DIM:
+        return f"head_dim {spec.head_dim} < {MIN_HEAD_DIM}"
+    return ""
 
 
 @dataclass(slots=True)
@@ -79,60 +90,85 @@ def build_page_table(qo_indptr: list[int], kv_lens: list[int], block_tables: lis
 
 
 @dataclass(slots=True)
+class _Group:
+    """Requests planned together on one wrapper."""
+
+    wrapper: Any
+    q_len: int                    # L of a uniform group; 0 for the prefill group
+    page_table: PageTable
+    rows: torch.Tensor | None     # flat query rows of the group (None: all rows, in order)
+
+
+@dataclass(slots=True)
 class FlashInferData:
     """``AttentionMetadata.backend_data`` of this backend."""
 
-    wrapper: Any                # the planned BatchPrefill/BatchDecode wrapper
-    is_decode: bool
-    generation: int             # plan generation of ``owner`` at build time
-    owner: Any                  # the FlashInferBackend or GraphAttentionState that planned
-    row_valid: torch.Tensor | None = None  # graph mode: [T] bool, False on padding rows
+    groups: list[_Group]
+    generation: int                      # plan generation of ``owner`` at build time
+    owner: Any                           # the FlashInferBackend or GraphAttentionState
+    planned: bool = False
+    row_pad: torch.Tensor | None = None  # graph mode: [T] bool, True on padding rows
+
+
+UNIFORM_MAX_Q_LEN = 16  # q_len up to this runs through tensor-core decode (q_len_per_req)
+
+
+def eager_workspace_bytes(spec: AttentionSpec, num_sms: int) -> int:
+    """Split-KV scratch the largest eager prefill plan can reserve (scheduler.cuh, PrefillPlan):
+    FlashInfer splits only when the split batch fits ``2 * num_sms / num_kv_heads`` work tiles,
+    each of at most 128 rows: ``tmp_v`` (head_dim floats per row and head) plus ``tmp_s``."""
+    tiles = 2 * num_sms // spec.num_kv_heads
+    return spec.num_heads * tiles * 128 * (spec.head_dim + 1) * 4 + (1 << 20)
 
 
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
 
     def __init__(self, spec: AttentionSpec, device: torch.device | str = "cuda", *,
-                 workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, fa_backend: str = "fa2",
-                 use_decode_kernel: bool = True, use_tensor_cores: bool = True,
-                 deterministic: bool = False) -> None:
+                 workspace_bytes: int | None = None, fa_backend: str = "fa2",
+                 deterministic: bool = False, flashinfer: Any = None,
+                 num_sms: int | None = None) -> None:
         super().__init__(spec, device)
-        if self.device.type != "cuda":
-            raise ValueError(f"FlashInferBackend needs a CUDA device, got {self.device}")
-        if spec.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"FlashInferBackend needs a float16/bfloat16 KV cache, got {spec.dtype}")
-        import flashinfer  # fails loudly here, not at import of this module
-
+        if flashinfer is None:  # the real package; a stand-in module may be passed (tests, CPU)
+            why = flashinfer_refusal(spec, self.device)
+            if why:
+                raise ValueError(f"FlashInferBackend: {why}")
+            import flashinfer  # fails loudly here, not at import of this module
         self._fi = flashinfer
         self.fa_backend = fa_backend
-        self.use_decode_kernel = use_decode_kernel
-        self.use_tensor_cores = use_tensor_cores
         self.deterministic = deterministic
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        if workspace_bytes is None:  # 128 MiB (FlashInfer's advice) or what the shape needs
+            workspace_bytes = max(DEFAULT_WORKSPACE_BYTES, eager_workspace_bytes(spec, num_sms))
         # One float workspace shared by every wrapper (eager and graph): they never run
         # concurrently (one stream, one step at a time). Zeroed: decode requires it.
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend=fa_backend)
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=use_tensor_cores, backend=fa_backend)
+        self._uniform: dict[int, Any] = {}   # q_len -> tensor-core decode wrapper
         self.generation = 0
 
     # ---- planning -------------------------------------------------------------------------
-    def plan_kwargs(self) -> dict:
-        s = self.spec
-        return dict(sm_scale=s.softmax_scale, q_data_type=s.dtype, kv_data_type=s.dtype,
-                    disable_split_kv=self.deterministic)
+    def uniform_wrapper(self, q_len: int) -> Any:
+        if q_len not in self._uniform:
+            self._uniform[q_len] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_tensor_cores=True, backend=self.fa_backend)
+        return self._uniform[q_len]
 
-    def plan(self, wrapper, is_decode: bool, pt: PageTable) -> None:
-        """One ``plan()`` on ``wrapper`` (host work; never inside a CUDA graph capture)."""
+    def plan(self, wrapper, q_len: int, pt: PageTable) -> None:
+        """One ``plan()`` on ``wrapper`` (host work; never inside a CUDA graph capture).
+        ``q_len`` > 0: a uniform group through tensor-core decode, never split; 0: prefill."""
         s = self.spec
-        if is_decode:
+        kw = {"sm_scale": s.softmax_scale, "q_data_type": s.dtype, "kv_data_type": s.dtype}
+        if q_len:
             wrapper.plan(pt.kv_indptr, pt.kv_indices, pt.kv_last_page_len, s.num_heads,
-                         s.num_kv_heads, s.head_dim, s.block_size, **self.plan_kwargs())
+                         s.num_kv_heads, s.head_dim, s.block_size, q_len_per_req=q_len,
+                         disable_split_kv=True, **kw)
         else:
             wrapper.plan(pt.qo_indptr, pt.kv_indptr, pt.kv_indices, pt.kv_last_page_len,
                          s.num_heads, s.num_kv_heads, s.head_dim, s.block_size, causal=True,
-                         **self.plan_kwargs())
+                         disable_split_kv=self.deterministic, **kw)
 
     def build_metadata(self, qo_indptr: list[int], kv_lens: list[int],
                        block_tables: list[list[int]], slot_mapping: torch.Tensor) -> AttentionMetadata:
@@ -140,15 +176,29 @@ class FlashInferBackend(AttentionBackend):
         num_tokens = qo_indptr[-1]
         if slot_mapping.shape[0] != num_tokens:
             raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries, expected {num_tokens}")
-        is_decode = self.use_decode_kernel and num_tokens == len(kv_lens)
-        wrapper = self._decode if is_decode else self._prefill
-        self.plan(wrapper, is_decode,
-                  build_page_table(qo_indptr, kv_lens, block_tables, self.spec.block_size))
+        by_len: dict[int, list[int]] = {}
+        for b in range(len(kv_lens)):
+            q_len = qo_indptr[b + 1] - qo_indptr[b]
+            by_len.setdefault(q_len if q_len <= UNIFORM_MAX_Q_LEN else 0, []).append(b)
+        groups = [self._group(key, reqs, qo_indptr, kv_lens, block_tables, len(by_len) == 1)
+                  for key, reqs in sorted(by_len.items())]
         self.generation += 1
         slots = slot_mapping.to(device=self.device, dtype=torch.long, non_blocking=True)
-        data = FlashInferData(wrapper, is_decode, self.generation, self)
+        data = FlashInferData(groups, self.generation, self)
         return AttentionMetadata(list(qo_indptr), list(kv_lens), block_tables, slots,
                                  num_tokens, data, self)
+
+    def _group(self, q_len: int, reqs: list[int], qo_indptr: list[int], kv_lens: list[int],
+               block_tables: list[list[int]], whole: bool) -> _Group:
+        sub_qo, rows = [0], []
+        for b in reqs:
+            rows.extend(range(qo_indptr[b], qo_indptr[b + 1]))
+            sub_qo.append(len(rows))
+        pt = build_page_table(sub_qo, [kv_lens[b] for b in reqs], [block_tables[b] for b in reqs],
+                              self.spec.block_size)
+        wrapper = self.uniform_wrapper(q_len) if q_len else self._prefill
+        row_t = None if whole else torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        return _Group(wrapper, q_len, pt, row_t)
 
     # ---- per layer ------------------------------------------------------------------------
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -164,88 +214,111 @@ class FlashInferBackend(AttentionBackend):
         if d.generation != d.owner.generation:
             raise RuntimeError("stale attention metadata: the wrapper was re-planned since "
                                "this metadata was built (one backend per model, one step at a time)")
+        if not d.planned:  # first layer of the step: one plan per group
+            for g in d.groups:
+                self.plan(g.wrapper, g.q_len, g.page_table)
+            d.planned = True
         n = metadata.num_tokens
-        out = q.new_zeros(q.shape) if q.shape[0] != n else torch.empty_like(q)
-        d.wrapper.run(q[:n].contiguous(), kv_cache, out=out[:n])
-        if d.row_valid is not None:  # graph mode: rows of padding requests hold garbage
-            out = torch.where(d.row_valid[:, None, None], out, torch.zeros((), dtype=out.dtype,
-                                                                           device=out.device))
+        out = torch.empty_like(q)
+        if q.shape[0] > n:  # the model's row padding (pad_rows): zeros, no per-layer zero tensor
+            out[n:].zero_()
+        for g in d.groups:
+            if g.rows is None:
+                g.wrapper.run(q[:n].contiguous(), kv_cache, out=out[:n])
+            else:
+                out.index_copy_(0, g.rows, g.wrapper.run(q.index_select(0, g.rows), kv_cache))
+        if d.row_pad is not None:  # graph mode: rows of padding requests/drafts hold garbage
+            out[:n].masked_fill_(d.row_pad[:, None, None], 0)
         return out
 
     # ---- CUDA graphs ----------------------------------------------------------------------
     def graph_state(self, batch_size: int, q_len: int, max_pages: int) -> GraphAttentionState:
-        """A fixed-shape attention state for graph capture: ``batch_size`` requests of
-        exactly ``q_len`` query rows each, at most ``max_pages`` pages in all."""
+        """A fixed-shape attention state for graph capture: ``batch_size`` requests of at
+        most ``q_len`` query rows each, at most ``max_pages`` pages in all."""
         return GraphAttentionState(self, batch_size, q_len, max_pages)
 
 
 class GraphAttentionState:
-    """FlashInfer wrappers in ``use_cuda_graph=True`` mode over fixed device buffers.
+    """A tensor-core decode wrapper in ``use_cuda_graph=True`` mode over fixed device buffers,
+    planned exactly like the eager uniform groups (``q_len_per_req=L``, no KV split).
 
-    Shape of the bucket: ``B = batch_size`` requests of ``L = q_len`` rows (``T = B * L``).
-    :meth:`prepare` takes a real batch of ``B' <= B`` such requests, pads it with dummy
-    requests (``kv_len = L``, pages = block 0, read but never written, outputs discarded),
-    plans (host side, refilling the fixed buffers in place) and returns metadata whose
-    ``slot_mapping`` and ``row_valid`` are fixed buffers too, so a captured graph sees the
-    new step through them. ``metadata.num_tokens == T`` always; padding slots are -1.
+    Bucket: ``B = batch_size`` requests of ``L = q_len`` rows (``T = B * L``); request ``b``
+    owns rows ``b*L .. b*L+L-1``. :meth:`prepare` takes a real batch of ``B' <= B`` requests
+    with ``1 <= q_len_b <= L`` rows each (draft counts that vary, e.g. n-gram drafts): request
+    ``b``'s real rows are the first ``q_len_b`` of its slot and its planned context is
+    ``kv_len_b + (L - q_len_b)`` (bottom-right causal alignment keeps every real row's limit;
+    missing pages point at block 0, read only by padding rows); requests ``B'..B-1`` are dummies
+    (``kv_len = L`` on block 0). Padding rows write nothing (slot -1) and are zeroed.
+    ``metadata.num_tokens == T``; :attr:`dest` maps the real rows to their bucket rows.
     """
 
     def __init__(self, backend: FlashInferBackend, batch_size: int, q_len: int, max_pages: int):
-        if batch_size < 1 or q_len < 1 or max_pages < batch_size:
+        if batch_size < 1 or q_len < 1 or q_len > UNIFORM_MAX_Q_LEN or max_pages < batch_size:
             raise ValueError(f"bad graph bucket: batch_size={batch_size} q_len={q_len} "
                              f"max_pages={max_pages}")
         fi, dev = backend._fi, backend.device
         self.backend, self.batch_size, self.q_len = backend, batch_size, q_len
         self.num_tokens = batch_size * q_len
-        i32 = dict(dtype=torch.int32, device=dev)
-        self.qo_indptr = torch.arange(0, self.num_tokens + 1, q_len, **i32)
+        i32 = {"dtype": torch.int32, "device": dev}
         self.kv_indptr = torch.zeros(batch_size + 1, **i32)
-        self.kv_indices = torch.zeros(max_pages, **i32)
+        self.kv_indices = torch.zeros(max_pages + batch_size, **i32)
         self.kv_last_page_len = torch.ones(batch_size, **i32)
         self.slot_mapping = torch.full((self.num_tokens,), -1, dtype=torch.long, device=dev)
-        self.row_valid = torch.zeros(self.num_tokens, dtype=torch.bool, device=dev)
-        self.is_decode = q_len == 1 and backend.use_decode_kernel
-        if self.is_decode:
-            self.wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
-                backend.workspace, "NHD", use_cuda_graph=True,
-                use_tensor_cores=backend.use_tensor_cores, backend=backend.fa_backend,
-                paged_kv_indptr_buffer=self.kv_indptr, paged_kv_indices_buffer=self.kv_indices,
-                paged_kv_last_page_len_buffer=self.kv_last_page_len)
-        else:
-            self.wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
-                backend.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=self.qo_indptr,
-                paged_kv_indptr_buf=self.kv_indptr, paged_kv_indices_buf=self.kv_indices,
-                paged_kv_last_page_len_buf=self.kv_last_page_len, backend=backend.fa_backend)
+        self.row_pad = torch.ones(self.num_tokens, dtype=torch.bool, device=dev)
+        self.dest = torch.arange(self.num_tokens, device=dev)
+        self.wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+            backend.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+            paged_kv_indptr_buffer=self.kv_indptr, paged_kv_indices_buffer=self.kv_indices,
+            paged_kv_last_page_len_buffer=self.kv_last_page_len, backend=backend.fa_backend)
         self.generation = 0
+        self._data = FlashInferData([], 0, self, planned=True, row_pad=self.row_pad)
 
     def fits(self, qo_indptr: list[int]) -> bool:
         """Whether a batch with these query offsets can run in this bucket."""
         b = len(qo_indptr) - 1
         return 1 <= b <= self.batch_size and all(
-            qo_indptr[i + 1] - qo_indptr[i] == self.q_len for i in range(b))
+            1 <= qo_indptr[i + 1] - qo_indptr[i] <= self.q_len for i in range(b))
 
     def prepare(self, qo_indptr: list[int], kv_lens: list[int], block_tables: list[list[int]],
                 slot_mapping: torch.Tensor) -> AttentionMetadata:
-        be = self.backend
+        be, L = self.backend, self.q_len
         bs = be.spec.block_size
         check_metadata_inputs(qo_indptr, kv_lens, block_tables, bs)
         if not self.fits(qo_indptr):
-            raise ValueError(f"batch does not fit graph bucket B={self.batch_size} L={self.q_len}")
-        real, n = len(kv_lens), qo_indptr[-1]
+            raise ValueError(f"batch does not fit graph bucket B={self.batch_size} L={L}")
+        real = len(kv_lens)
+        kv, tables, dest = [], [], []
+        for b in range(real):
+            q_len = qo_indptr[b + 1] - qo_indptr[b]
+            kv.append(kv_lens[b] + L - q_len)
+            need = -(-kv[-1] // bs)
+            tables.append(list(block_tables[b][:need]) + [0] * (need - len(block_tables[b])))
+            dest.extend(range(b * L, b * L + q_len))
         pad = self.batch_size - real
-        dummy_pages = [0] * -(-self.q_len // bs)
-        pt = build_page_table(
-            list(range(0, self.num_tokens + 1, self.q_len)), list(kv_lens) + [self.q_len] * pad,
-            list(block_tables) + [dummy_pages] * pad, bs)
-        be.plan(self.wrapper, self.is_decode, pt)
+        pt = build_page_table(list(range(0, self.num_tokens + 1, L)), kv + [L] * pad,
+                              tables + [[0] * -(-L // bs)] * pad, bs)
+        be.plan(self.wrapper, L, pt)
         self.generation += 1
-        self.slot_mapping[n:].fill_(-1)
-        self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
-        torch.lt(torch.arange(self.num_tokens, device=self.row_valid.device), n, out=self.row_valid)
-        data = FlashInferData(self.wrapper, self.is_decode, self.generation, self, self.row_valid)
-        return AttentionMetadata(list(qo_indptr), list(kv_lens), block_tables, self.slot_mapping,
-                                 self.num_tokens, data, be)
+        dest_t = torch.tensor(dest, dtype=torch.long).to(self.dest.device, non_blocking=True)
+        self.dest = dest_t
+        self.slot_mapping.fill_(-1)
+        self.slot_mapping.index_copy_(0, dest_t, slot_mapping.to(torch.long))
+        self.row_pad.fill_(True)
+        self.row_pad.index_fill_(0, dest_t, False)
+        # One data object for every prepare: the metadata a graph captured stays current.
+        self._data.groups = [_Group(self.wrapper, L, pt, None)]
+        self._data.generation = self.generation
+        return AttentionMetadata(list(range(0, self.num_tokens + 1, L)), kv + [L] * pad,
+                                 tables, self.slot_mapping, self.num_tokens, self._data, be)
 
 
-__all__ = ["FlashInferBackend", "FlashInferData", "GraphAttentionState", "PageTable",
-           "build_page_table"]
+__all__ = [
+    "UNIFORM_MAX_Q_LEN",
+    "FlashInferBackend",
+    "FlashInferData",
+    "GraphAttentionState",
+    "PageTable",
+    "build_page_table",
+    "eager_workspace_bytes",
+    "flashinfer_refusal",
+]

@@ -1,9 +1,10 @@
 """Pick the attention backend for a device and log which one is active (one line).
 
-CPU (or CUDA without FlashInfer): :class:`~kernels.attention.torch_ref.TorchRefBackend`.
-CUDA with ``flashinfer`` importable: ``kernels.attention.flashinfer_backend.FlashInferBackend``
-when that module exists (registered by a colleague; it must subclass ``AttentionBackend`` and
-take ``(spec, device)``). ``TOKENBUDGET_ATTENTION_BACKEND=torch_ref`` forces the reference.
+CPU: :class:`~kernels.attention.torch_ref.TorchRefBackend`. CUDA:
+``kernels.attention.flashinfer_backend.FlashInferBackend`` unless FlashInfer refuses, and then
+the reference with the reason in the log line, never a start-up crash: a float32 KV cache,
+``head_dim`` < 64, ``flashinfer`` not installed or failing to import (a missing CUDA library,
+a JIT/toolchain mismatch). ``TOKENBUDGET_ATTENTION_BACKEND=torch_ref`` forces the reference.
 """
 
 from __future__ import annotations
@@ -21,25 +22,37 @@ from tokenbudget.kernels.attention.torch_ref import TorchRefBackend
 logger = logging.getLogger(__name__)
 
 
-def _flashinfer_backend_cls():
+def _flashinfer_refusal(spec: AttentionSpec, device: torch.device) -> str:
+    """Why FlashInfer cannot serve this spec here ("" when it can); imports it to find out."""
+    from tokenbudget.kernels.attention.flashinfer_backend import flashinfer_refusal
+    why = flashinfer_refusal(spec, device)
+    if why:
+        return why
     if importlib.util.find_spec("flashinfer") is None:
-        return None, "flashinfer is not installed"
+        return "flashinfer is not installed"
     try:
-        mod = importlib.import_module("tokenbudget.kernels.attention.flashinfer_backend")
-    except ImportError as e:  # module not written yet, or flashinfer fails to import
-        return None, f"flashinfer backend unavailable ({e})"
-    return getattr(mod, "FlashInferBackend"), ""
+        importlib.import_module("flashinfer")
+    except Exception as e:  # noqa: BLE001 - any import failure means: use the reference
+        return f"import flashinfer failed: {type(e).__name__}: {e}"
+    return ""
 
 
-def select_attention_backend(device: torch.device | str, spec: AttentionSpec) -> AttentionBackend:
+def select_attention_backend(device: torch.device | str, spec: AttentionSpec, *,
+                             deterministic: bool = False) -> AttentionBackend:
     device = torch.device(device)
     forced = os.environ.get("TOKENBUDGET_ATTENTION_BACKEND", "")
-    cls, why = TorchRefBackend, "CPU"
-    if device.type == "cuda" and forced != "torch_ref":
-        fi_cls, why = _flashinfer_backend_cls()
-        cls = fi_cls or TorchRefBackend
-    elif forced == "torch_ref":
+    why = "CPU"
+    if forced == "torch_ref":
         why = "forced by TOKENBUDGET_ATTENTION_BACKEND"
-    backend = cls(spec, device)
-    logger.info("attention backend: %s on %s%s", backend.name, device, f" ({why})" if why else "")
+    elif device.type == "cuda":
+        why = _flashinfer_refusal(spec, device)
+        if not why:
+            from tokenbudget.kernels.attention.flashinfer_backend import FlashInferBackend
+            backend = FlashInferBackend(spec, device, deterministic=deterministic)
+            logger.info("attention backend: flashinfer on %s%s", device,
+                        " (deterministic)" if deterministic else "")
+            return backend
+        why = f"flashinfer refused: {why}"
+    backend = TorchRefBackend(spec, device)
+    logger.info("attention backend: %s on %s (%s)", backend.name, device, why)
     return backend

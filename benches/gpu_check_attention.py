@@ -1,0 +1,109 @@
+"""Attention-level parts of ``benches/gpu_check.py``: the backend vs torch_ref on mixed/decode/
+verify batches, and the row-invariance table (decode vs verify, alone vs in a mixed batch).
+
+The backend is whatever the selector gives on the device (FlashInfer on a GPU, torch_ref on
+CPU), so the same code checks the real kernels on a GPU and its own plumbing on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenbudget.kernels.attention.base import AttentionSpec
+from tokenbudget.kernels.attention.selector import select_attention_backend
+from tokenbudget.kernels.attention.torch_ref import TorchRefBackend
+from tokenbudget.kernels.kv_write import write_kv_reference
+
+
+class Pool:
+    """One paged KV cache with random contents and a block allocator for synthetic requests."""
+
+    def __init__(self, spec: AttentionSpec, num_blocks: int, device, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.spec, self.device, self.g = spec, device, g
+        self.cache = (torch.randn(num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_dim,
+                                  generator=g) * 0.5).to(device, spec.dtype)
+        self.next = 0
+
+    def request(self, kv_len: int) -> list[int]:
+        n = -(-kv_len // self.spec.block_size) + 1
+        if self.next + n > self.cache.shape[0]:
+            raise ValueError("KV pool too small for this check")
+        table = list(range(self.next, self.next + n))
+        self.next += n
+        return table
+
+    def rand(self, *shape) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.g).to(self.device, self.spec.dtype)
+
+
+def run_batch(backend, pool: Pool, reqs: list[tuple[int, int, list[int]]], q: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``reqs``: (q_len, kv_len, table). Writes the new K/V into a copy of the pool's cache."""
+    bs = pool.spec.block_size
+    qo, kv, tables, slots = [0], [], [], []
+    for q_len, kv_len, table in reqs:
+        qo.append(qo[-1] + q_len)
+        kv.append(kv_len)
+        tables.append(table)
+        slots += [table[p // bs] * bs + p % bs for p in range(kv_len - q_len, kv_len)]
+    slot_t = torch.tensor(slots, dtype=torch.long, device=pool.device)
+    md = backend.build_metadata(qo, kv, tables, slot_t)
+    cache = pool.cache.clone()
+    write_kv_reference(k, v, cache, slot_t)
+    return backend.attend(q, cache, md)
+
+
+def backend_vs_reference(spec: AttentionSpec, device, seed: int = 0) -> list[dict]:
+    """Max |backend - torch_ref| on a mixed, a decode and a verify batch."""
+    batches = {"mixed": ([37, 20, 4, 1, 3], [37, 50, 29, 17, 40]),
+               "decode": ([1, 1, 1, 1], [1, 33, 16, 70]),
+               "verify": ([4, 4, 4], [4, 31, 64])}
+    backend = select_attention_backend(device, spec)
+    ref = TorchRefBackend(spec, device)
+    rows = []
+    for name, (q_lens, kv_lens) in batches.items():
+        pool = Pool(spec, sum(-(-n // spec.block_size) + 1 for n in kv_lens), device, seed)
+        reqs = [(ql, kl, pool.request(kl)) for ql, kl in zip(q_lens, kv_lens)]
+        t = sum(q_lens)
+        q = pool.rand(t, spec.num_heads, spec.head_dim)
+        k, v = pool.rand(t, spec.num_kv_heads, spec.head_dim), pool.rand(t, spec.num_kv_heads, spec.head_dim)
+        got, want = run_batch(backend, pool, reqs, q, k, v), run_batch(ref, pool, reqs, q, k, v)
+        err = (got.float() - want.float()).abs().max().item()
+        rows.append({"batch": name, "backend": backend.name, "max_abs_err": err, "ok": err < 2e-2})
+    return rows
+
+
+def row_invariance(spec: AttentionSpec, device, ks: list[int], contexts: list[int],
+                   deterministic: bool, seed: int = 0) -> list[dict]:
+    """For each (k, context): the last row of a 1-token decode at position ``context`` vs the
+    same row inside a (1 + k)-token verify ending there, and that verify alone vs inside a
+    mixed batch (a prefill chunk and two decodes next to it). Bitwise comparisons."""
+    backend = select_attention_backend(device, spec, deterministic=deterministic)
+    rows = []
+    for c in contexts:
+        for k in ks:
+            blocks = 2 * (-(-(c + 64) // spec.block_size) + 1) + 64
+            pool = Pool(spec, blocks, device, seed + c + k)
+            table = pool.request(c)
+            h, hk, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+            q, kk, vv = pool.rand(1 + k, h, d), pool.rand(1 + k, hk, d), pool.rand(1 + k, hk, d)
+            # the verify covers positions c-k .. c; its row 0 is the decode of position c-k
+            verify = run_batch(backend, pool, [(1 + k, c + 1, table)], q, kk, vv)
+            decode = run_batch(backend, pool, [(1, c - k + 1, table)], q[:1], kk[:1], vv[:1])
+            others = [(64, 64, pool.request(64)), (1, 300, pool.request(300)), (1, 40, pool.request(40))]
+            extra_q = pool.rand(66, h, d)
+            extra_k, extra_v = pool.rand(66, hk, d), pool.rand(66, hk, d)
+            mixed = run_batch(backend, pool, [others[0], (1 + k, c + 1, table), *others[1:]],
+                              torch.cat([extra_q[:64], q, extra_q[64:]]),
+                              torch.cat([extra_k[:64], kk, extra_k[64:]]),
+                              torch.cat([extra_v[:64], vv, extra_v[64:]]))[64:65 + k]
+            rows.append({"deterministic": deterministic, "k": k, "context": c,
+                         "decode_eq_verify_row0": bool(torch.equal(decode[0], verify[0])),
+                         "verify_alone_eq_mixed": bool(torch.equal(verify, mixed)),
+                         "max_abs_diff": max((decode[0] - verify[0]).abs().max().item(),
+                                             (verify - mixed).abs().max().item())})
+    return rows
+
+
+__all__ = ["Pool", "backend_vs_reference", "row_invariance", "run_batch"]

@@ -1,0 +1,66 @@
+"""The selector falls back to torch_ref, with the reason logged, wherever FlashInfer refuses."""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import logging
+import sys
+import tomllib
+from pathlib import Path
+
+import flashinfer_standin
+import pytest
+import torch
+
+from tokenbudget.kernels.attention.base import AttentionSpec
+from tokenbudget.kernels.attention.selector import select_attention_backend
+
+BF16 = AttentionSpec(4, 2, 128, 16, torch.bfloat16)
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """``flashinfer`` importable (the stand-in), so only the spec decides."""
+    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_standin)
+    monkeypatch.setattr(flashinfer_standin, "__spec__",
+                        importlib.machinery.ModuleSpec("flashinfer", None), raising=False)
+
+
+@pytest.mark.parametrize("spec, reason", [
+    (AttentionSpec(4, 2, 128, 16, torch.float32), "float16/bfloat16"),
+    (AttentionSpec(4, 2, 32, 16, torch.bfloat16), "head_dim 32 < 64"),
+])
+def test_refused_specs_fall_back_with_reason(installed, caplog, spec, reason):
+    with caplog.at_level(logging.INFO, logger="tokenbudget.kernels.attention.selector"):
+        backend = select_attention_backend("cuda", spec)
+    assert backend.name == "torch_ref"
+    assert reason in caplog.text and "flashinfer refused" in caplog.text
+
+
+class _Broken(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        return importlib.machinery.ModuleSpec(name, self) if name == "flashinfer" else None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        raise OSError("libcudart.so.12: cannot open shared object file")
+
+
+def test_import_failure_falls_back_with_reason(monkeypatch, caplog):
+    monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_Broken(), *sys.meta_path])
+    with caplog.at_level(logging.INFO, logger="tokenbudget.kernels.attention.selector"):
+        backend = select_attention_backend("cuda", BF16)
+    assert backend.name == "torch_ref"
+    assert "libcudart" in caplog.text
+
+
+def test_cuda_extra_is_pinned():
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    cuda = extras["project"]["optional-dependencies"]["cuda"]
+    assert "flashinfer-python==0.6.18.post1" in cuda and "triton==3.6.0" in cuda
+    assert {"ninja", "nvidia-ml-py"} <= set(cuda)
+    assert any(d.startswith("apache-tvm-ffi") for d in cuda)
