@@ -185,7 +185,9 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--out", required=True, help="directory for gpu_check.json and gpu_check.md")
-    p.add_argument("--models", default="1b,8b", help="synthetic shapes for spec_equiv (benches/synthetic_model.py)")
+    p.add_argument("--models", default="smollm2,8b",
+                   help="synthetic shapes for spec_equiv (benches/synthetic_model.py; smollm2 = the default "
+                        "model's shape, random weights)")
     p.add_argument("--attn-shape", default="8b", help="head layout for the attention sections")
     p.add_argument("--dtype", default=None, help="model dtype (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--ks", type=_ints, default=[1, 3, 4, 8])

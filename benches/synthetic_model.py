@@ -49,6 +49,12 @@ SHAPES: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                         tie_word_embeddings=True, architecture="llama", max_position_embeddings=4096),
+    # The default model's shape (SmolLM2-135M-Instruct) with random weights: its GGUF cannot
+    # travel to an offline GPU machine inside the 64 MiB carry.
+    "smollm2": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                           num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
+                           architecture="llama", rms_norm_eps=1e-5, rope_theta=100000.0,
+                           max_position_embeddings=8192),
     # Llama-3.2-1B-like: tied embeddings, head_dim 64.
     "1b": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                       num_attention_heads=32, num_key_value_heads=8, head_dim=64,
