@@ -33,13 +33,17 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # CUDA only: capture decode/verify batches in CUDA graphs at start-up (needs FlashInfer and
     # triton). Off by default until it has been validated on a GPU (see benches/RESULTS.md).
     cuda_graphs: bool = False
+    # Admission control (``AsyncLLM`` / ``LLMEngine.add_request``): at most this many requests /
+    # prompt tokens wait to run; past them a new request raises EngineOverloadedError. None = no bound.
+    max_queued_requests: int | None = None
+    max_queued_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("max_model_len", "num_threads"):
+        for name in ("max_model_len", "num_threads", "max_queued_requests", "max_queued_tokens"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
