@@ -31,6 +31,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'tokenbudget' has no attribute {name!r}")
 
 
-__all__ = ["AsyncLLM", "CompletionOutput", "EngineConfig", "EngineDeadError", "EngineOverloadedError", "EngineStats",
-           "GenerateRequest", "LLM", "LLMEngine", "RequestError", "RequestMetrics", "RequestOutput", "RequestOutputKind",
-           "SamplingParams"]
+__all__ = ["AsyncLLM", "CompletionOutput", "EngineConfig", "EngineDeadError", "EngineOverloadedError",
+           "EngineStats", "GenerateRequest", "LLM", "LLMEngine", "RequestError", "RequestMetrics", "RequestOutput",
+           "RequestOutputKind", "SamplingParams"]
