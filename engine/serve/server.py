@@ -3,10 +3,14 @@
 On SIGTERM (or SIGINT) uvicorn stops accepting connections and waits up to ``grace_period``
 seconds for the requests in flight to finish; then it cancels the rest (each cancelled response
 aborts its request), the app's lifespan ends with ``AsyncLLM.shutdown()``, and the process
-exits 0.
+exits 0. (uvicorn re-delivers the signal it handled to the handler installed before it; ``serve``
+installs one that ignores SIGTERM, since the drain already did what SIGTERM asks.)
 """
 
 from __future__ import annotations
+
+import signal
+import threading
 
 import uvicorn
 
@@ -24,5 +28,7 @@ def make_server(llm, model_name: str, host: str = "127.0.0.1", port: int = 8000,
 def serve(llm, model_name: str, **options) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a clean drain."""
     server = make_server(llm, model_name, **options)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
     server.run()
     return 0 if server.started else 1
