@@ -16,6 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     fuzz.add_parser(sub).set_defaults(run=fuzz.run)
     from tokenbudget.engine.cli import serve
     serve.add_parser(sub)
+    from tokenbudget.engine.cli import bench_serve
+    bench_serve.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
