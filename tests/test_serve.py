@@ -159,3 +159,18 @@ def test_api_key(url):
     models = httpx.get(f"{url}/v1/models", headers=AUTH, timeout=30).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200  # open, for probes
+
+
+def test_bench_serve_cli(url, tmp_path):
+    from tokenbudget.engine.cli.main import main
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps(row) for row in (
+        {"prompt": PROMPTS[0]}, {"messages": [{"role": "user", "content": "Say hi"}]},
+        {"question_id": 1, "category": "qa", "turns": ["What is 2+2?"]})) + "\n")
+    out = tmp_path / "out.json"
+    assert main(["bench", "serve", "--url", url, "--api-key", KEY, "--dataset", str(data), "--max-tokens", "4",
+                 "--ignore-eos", "--concurrency", "2", "--output-json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["completed"] == 3 and summary["failed"] == 0
+    assert summary["output_token_throughput"] > 0
+    assert 0 < summary["ttft_s"]["p50"] <= summary["e2e_s"]["p50"]

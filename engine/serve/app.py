@@ -193,8 +193,9 @@ def build_app(llm, model_name: str, api_key: str | None = None) -> FastAPI:
         return _error(400, str(exc), "invalid_request_error", exc.param)
 
     @app.exception_handler(ValueError)
-    async def bad_value(request, exc: ValueError):
-        return _error(400, str(exc), "invalid_request_error", str(exc).split(" ", 1)[0])
+    async def bad_value(request, exc: ValueError):  # from AsyncLLM.add_request: the prompt, mostly
+        word = str(exc).split(" ", 1)[0]
+        return _error(400, str(exc), "invalid_request_error", word if word in proto.FIELDS else "prompt")
 
     @app.exception_handler(EngineOverloadedError)
     async def overloaded(request, exc: EngineOverloadedError):

@@ -99,6 +99,8 @@ class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
     parallel_tool_calls: bool | None = None
 
 
+FIELDS = frozenset(CompletionRequest.__struct_fields__) | frozenset(ChatCompletionRequest.__struct_fields__)
+
 _AT = re.compile(r"at `\$\.([A-Za-z_][\w]*)")
 _UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 _REQUIRED = re.compile(r"missing required field `([^`]+)`")
