@@ -79,9 +79,11 @@ class AsyncLLM:
         if isinstance(params, SamplingParams) and kind != RequestOutputKind.FINAL_ONLY:
             params = msgspec.structs.replace(params, output_kind=RequestOutputKind.DELTA)  # streams merge
         text, request = self.engine.make_request(rid, prompt, params, priority)
-        stats, (n_transit, tokens_transit) = self.get_stats(), self._transit
-        check_admission(self.engine.config, stats.num_waiting + n_transit, stats.num_waiting_tokens + tokens_transit,
-                        request.num_prompt_tokens)
+        n_transit, tokens_transit = self._transit
+        if self.engine.config.admission_control:
+            stats = self.get_stats()
+            check_admission(self.engine.config, stats.num_waiting + n_transit,
+                            stats.num_waiting_tokens + tokens_transit, request.num_prompt_tokens)
         self._transit = [n_transit + 1, tokens_transit + request.num_prompt_tokens]
         stream = RequestStream(rid, kind, self.abort)
         self._streams[rid] = stream

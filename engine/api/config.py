@@ -62,6 +62,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             _check_spec_fits(spec, self.max_num_batched_tokens)
 
     @property
+    def admission_control(self) -> bool:
+        """True when ``max_queued_requests`` or ``max_queued_tokens`` bounds the queue."""
+        return self.max_queued_requests is not None or self.max_queued_tokens is not None
+
+    @property
     def spec_config(self):
         """The parsed ``speculative_config`` (a ``SpeculativeConfig``), or None."""
         if self.speculative_config is None:

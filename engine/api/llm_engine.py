@@ -83,8 +83,9 @@ class LLMEngine:
         prompt longer than ``max_model_len`` or a duplicate ``request_id``; EngineOverloadedError
         past ``max_queued_requests`` / ``max_queued_tokens``."""
         text, request = self.make_request(request_id, prompt, sampling_params, priority)
-        stats = self.core.get_stats()
-        check_admission(self.config, stats.num_waiting, stats.num_waiting_tokens, request.num_prompt_tokens)
+        if self.config.admission_control:
+            stats = self.core.get_stats()
+            check_admission(self.config, stats.num_waiting, stats.num_waiting_tokens, request.num_prompt_tokens)
         self.add_made_request(request, text)
 
     def add_made_request(self, request, prompt_text: str | None = None, arrival_time: float | None = None) -> None:
