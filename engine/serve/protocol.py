@@ -38,7 +38,6 @@ class ProtocolError(ValueError):
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class SpeculativeOptions(msgspec.Struct, forbid_unknown_fields=True):
