@@ -174,3 +174,10 @@ def test_bench_serve_cli(url, tmp_path):
     assert summary["completed"] == 3 and summary["failed"] == 0
     assert summary["output_token_throughput"] > 0
     assert 0 < summary["ttft_s"]["p50"] <= summary["e2e_s"]["p50"]
+
+
+def test_prompt_longer_than_the_model_is_400(url):
+    body = {"prompt": list(range(100, 700)), "max_tokens": 4, "stream": True}  # 600 ids > max_model_len 512
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "prompt" and "max_model_len" in r.json()["error"]["message"]

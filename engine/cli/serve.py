@@ -29,14 +29,17 @@ def add_parser(sub) -> None:
     for flag, kind in (("--dtype", str), ("--device", str), ("--max-model-len", int), ("--max-num-seqs", int),
                        ("--max-num-batched-tokens", int), ("--kv-cache-memory-bytes", int), ("--block-size", int),
                        ("--scheduling-policy", str), ("--num-threads", int), ("--seed", int),
-                       ("--max-queued-requests", int), ("--max-queued-tokens", int)):
+                       ("--long-prefill-token-threshold", int), ("--max-queued-requests", int),
+                       ("--max-queued-tokens", int)):
         p.add_argument(flag, type=kind, default=None, help="EngineConfig option (default: the engine's)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--cuda-graphs", action="store_true", help="CUDA only: capture decode batches in CUDA graphs")
     p.set_defaults(run=run)
 
 
 _ENGINE_FLAGS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
-                 "block_size", "scheduling_policy", "num_threads", "seed", "max_queued_requests", "max_queued_tokens")
+                 "block_size", "scheduling_policy", "num_threads", "seed", "long_prefill_token_threshold",
+                 "max_queued_requests", "max_queued_tokens")
 
 
 def run(args) -> int:
@@ -48,6 +51,8 @@ def run(args) -> int:
     options = {name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name) is not None}
     if args.no_prefix_caching:
         options["enable_prefix_caching"] = False
+    if args.cuda_graphs:
+        options["cuda_graphs"] = True
     options["speculative_config"] = speculative_config_from_args(args)
     llm = AsyncLLM(args.model, **options)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
