@@ -68,6 +68,23 @@ class _AbortOnDisconnect(StreamingResponse):
         await _race_disconnect(self.stream_response(send), receive)
 
 
+class _RequireKey:
+    """Plain ASGI middleware (no wrapping of bodies or streams): 401 without the bearer key,
+    except for the probe routes."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = _error(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class OpenAIServer:
     def __init__(self, llm, model_name: str, api_key: str | None = None) -> None:
         self.llm, self.model_name, self.api_key = llm, model_name, api_key
@@ -180,13 +197,8 @@ def build_app(llm, model_name: str, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="tokenbudget", lifespan=lifespan)
     app.state.server = server
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if api_key is not None and request.url.path not in _OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return _error(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error")
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_RequireKey, api_key=api_key)
 
     @app.exception_handler(proto.ProtocolError)
     async def bad_body(request, exc: proto.ProtocolError):
