@@ -14,6 +14,7 @@ that ends aborted or in error is reported as an error, never as a finished answe
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import time
 import uuid
@@ -62,10 +63,19 @@ async def _race_disconnect(work, receive):
 
 
 class _AbortOnDisconnect(StreamingResponse):
-    """An SSE response whose generator is cancelled (aborting its request) when the client leaves."""
+    """An SSE response whose generator is cancelled when the client leaves; ``on_close`` (abort
+    the request; a no-op once it finished) runs however the response ends, even when the client
+    left before the generator started."""
+
+    def __init__(self, content, on_close, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
-        await _race_disconnect(self.stream_response(send), receive)
+        try:
+            await _race_disconnect(self.stream_response(send), receive)
+        finally:
+            self.on_close()
 
 
 class _RequireKey:
@@ -86,8 +96,8 @@ class _RequireKey:
 
 
 class OpenAIServer:
-    def __init__(self, llm, model_name: str, api_key: str | None = None) -> None:
-        self.llm, self.model_name, self.api_key = llm, model_name, api_key
+    def __init__(self, llm, model_name: str) -> None:
+        self.llm, self.model_name = llm, model_name
         self.metrics = ServerMetrics(llm)
         self.token_text = resp.TokenText(llm.tokenizer)
 
@@ -112,7 +122,7 @@ class OpenAIServer:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             gen = self._chat_events if chat else self._completion_events
             return _AbortOnDisconnect(gen(stream, rid, created, params.logprobs or 0, include_usage),
-                                      media_type="text/event-stream")
+                                      functools.partial(self.llm.abort, rid), media_type="text/event-stream")
         done, out = await _race_disconnect(self._final(stream), request.receive)
         if not done:
             self.llm.abort(rid)
@@ -134,7 +144,7 @@ class OpenAIServer:
             raise
 
     async def _events(self, stream, rid: str, created: int, obj: str, include_usage: bool, render):
-        """SSE events: ``render(out, state)`` per output, usage, ``[DONE]``; an error event (and no
+        """SSE events: ``render(out)`` per output, usage, ``[DONE]``; an error event (and no
         ``[DONE]``) when the request is aborted or fails."""
         n_out, last = 0, None
         try:
@@ -187,7 +197,7 @@ class OpenAIServer:
 
 def build_app(llm, model_name: str, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving ``llm`` (an ``AsyncLLM``) as ``model_name``."""
-    server = OpenAIServer(llm, model_name, api_key)
+    server = OpenAIServer(llm, model_name)
 
     @asynccontextmanager
     async def lifespan(app):
