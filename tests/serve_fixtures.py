@@ -26,9 +26,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(llm, api_key: str | None = KEY):
-    """Serve ``llm`` at the yielded base URL (``http://127.0.0.1:PORT``) until the block ends."""
-    server = make_server(llm, MODEL, port=free_port(), api_key=api_key, grace_period=5, log_level="warning")
+def running_server(llm, api_key: str | None = KEY, grace_period: float = 5.0, stopper: list | None = None):
+    """Serve ``llm`` at the yielded base URL (``http://127.0.0.1:PORT``) until the block ends;
+    ``stopper`` receives the uvicorn server (set its ``should_exit`` to start the drain early)."""
+    server = make_server(llm, MODEL, port=free_port(), api_key=api_key, grace_period=grace_period,
+                         log_level="warning")
+    if stopper is not None:
+        stopper.append(server)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -166,3 +166,30 @@ def test_sigterm_drains_and_exits_zero(tmp_path):
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+def test_shutdown_past_the_grace_period_is_not_reported_as_success():
+    """Requests still running when the drain ends are aborted: their stream ends without a
+    finish_reason and without ``[DONE]``, and the engine is left idle."""
+    llm = AsyncLLM(default_target(), **ENGINE_OPTS)
+    servers: list = []
+    lines: list = []
+    with running_server(llm, grace_period=0.5, stopper=servers) as url:
+        def client():
+            try:
+                with httpx.stream("POST", f"{url}/v1/completions", json=dict(LONG, stream=True), headers=AUTH,
+                                  timeout=60) as r:
+                    for line in r.iter_lines():
+                        lines.append(line)
+            except httpx.HTTPError:
+                pass  # the server closed the connection: expected
+        t = threading.Thread(target=client)
+        t.start()
+        _wait(lambda: len(lines) > 2)
+        servers[0].should_exit = True
+        t.join(60)
+    events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    assert "[DONE]" not in events
+    assert all(json.loads(e).get("choices", [{}])[0].get("finish_reason") in (None, "abort") for e in events)
+    stats = wait_idle(llm)
+    assert stats.num_generation_tokens_total < 400
