@@ -12,9 +12,10 @@ architecture.
 """
 
 from tokenbudget.engine.api.config import EngineConfig
-from tokenbudget.engine.api.errors import EngineDeadError, RequestError
+from tokenbudget.engine.api.errors import EngineDeadError, EngineOverloadedError, RequestError
 from tokenbudget.engine.api.outputs import CompletionOutput, GenerateRequest, RequestMetrics, RequestOutput
 from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
+from tokenbudget.engine.core.stats import EngineStats
 
 _LAZY = {  # heavy (torch, model code): imported on first use
     "LLM": "tokenbudget.engine.api.llm",
@@ -31,6 +32,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'tokenbudget' has no attribute {name!r}")
 
 
-__all__ = ["AsyncLLM", "CompletionOutput", "EngineConfig", "EngineCore", "EngineDeadError", "GenerateRequest", "LLM",
-           "LLMEngine", "RequestError", "RequestMetrics", "RequestOutput", "RequestOutputKind",
-           "SamplingParams"]
+__all__ = ["AsyncLLM", "CompletionOutput", "EngineConfig", "EngineCore", "EngineDeadError",
+           "EngineOverloadedError", "EngineStats", "GenerateRequest", "LLM", "LLMEngine", "RequestError",
+           "RequestMetrics", "RequestOutput", "RequestOutputKind", "SamplingParams"]

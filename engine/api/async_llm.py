@@ -17,6 +17,12 @@ between steps, inside that worker call, so the engine is only ever touched by on
 Ending: ``abort(id)`` ends that stream at once with a final "abort" output; closing or
 cancelling a consumer aborts its request; an errored request's stream raises ``RequestError``;
 once the engine is dead every stream and every later call raises ``EngineDeadError``.
+
+Figures: after every step the worker thread takes an ``EngineStats`` snapshot; ``get_stats()``
+answers from it while the loop runs (the event loop never reads the engine mid-step). Admission
+control (``max_queued_requests`` / ``max_queued_tokens``) counts the waiting requests of that
+snapshot plus the requests accepted since (``_transit``, cleared once a snapshot includes them):
+``add_request`` raises ``EngineOverloadedError`` past either bound.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from typing import Any, AsyncIterator
 
 import msgspec
@@ -35,6 +42,7 @@ from tokenbudget.engine.api.outputs import RequestOutput
 from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
 from tokenbudget.engine.api.stream import RequestStream
 from tokenbudget.engine.core.prompts import PromptInput
+from tokenbudget.engine.core.stats import EngineStats, check_admission
 
 logger = logging.getLogger("tokenbudget")
 
@@ -48,6 +56,8 @@ class AsyncLLM:
         self._pending_aborts: list[str] = []
         self._loop_task: asyncio.Task | None = None
         self._ids = itertools.count()
+        self._stats: EngineStats = self.engine.get_stats()  # the snapshot after the latest step
+        self._transit = [0, 0]  # requests, prompt tokens accepted but not yet in a snapshot
 
     @property
     def tokenizer(self):
@@ -57,7 +67,9 @@ class AsyncLLM:
     def add_request(self, request_id: str | None, prompt: PromptInput, sampling_params: SamplingParams | None = None,
                     priority: int = 0) -> RequestStream:
         """Validate, tokenize and queue a request; its stream. ValueError (nothing queued) for a
-        bad request, ``EngineDeadError`` once the engine is dead. Call from the event loop."""
+        bad request, ``EngineDeadError`` once the engine is dead, ``EngineOverloadedError`` past
+        the admission bounds. Call from the event loop."""
+        arrival = time.monotonic()
         self.engine.core.raise_if_dead()
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         if rid in self._streams:
@@ -67,10 +79,16 @@ class AsyncLLM:
         if isinstance(params, SamplingParams) and kind != RequestOutputKind.FINAL_ONLY:
             params = msgspec.structs.replace(params, output_kind=RequestOutputKind.DELTA)  # streams merge
         text, request = self.engine.make_request(rid, prompt, params, priority)
+        n_transit, tokens_transit = self._transit
+        if self.engine.config.admission_control:
+            stats = self.get_stats()
+            check_admission(self.engine.config, stats.num_waiting + n_transit,
+                            stats.num_waiting_tokens + tokens_transit, request.num_prompt_tokens)
+        self._transit = [n_transit + 1, tokens_transit + request.num_prompt_tokens]
         stream = RequestStream(rid, kind, self.abort)
         self._streams[rid] = stream
         with self._inbox_lock:
-            self._pending_adds.append((request, text))
+            self._pending_adds.append((request, text, arrival))
         self._ensure_loop()
         return stream
 
@@ -106,6 +124,17 @@ class AsyncLLM:
     def is_healthy(self) -> bool:
         return self.engine.is_healthy()
 
+    def get_stats(self) -> EngineStats:
+        """Engine-wide figures (``EngineStats``): the snapshot after the latest step while the
+        loop runs, a fresh one when it is idle."""
+        if self._loop_task is None or self._loop_task.done():
+            stats = self.engine.get_stats()
+        else:
+            stats = self._stats
+        if stats.healthy and not self.engine.is_healthy():
+            stats = msgspec.structs.replace(stats, healthy=False)
+        return stats
+
     # ------------------------------------------------------------------ the loop
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
@@ -121,24 +150,28 @@ class AsyncLLM:
         """In the worker thread: apply the inbox, then one engine step."""
         engine, rejected = self.engine, []
         aborted = set(aborts)
-        for request, text in adds:
+        for request, text, arrival in adds:
             if request.request_id in aborted:
                 continue  # aborted before it reached the engine
             try:
-                engine.add_made_request(request, text)
+                engine.add_made_request(request, text, arrival)
             except ValueError as exc:
                 rejected.append((request.request_id, exc))
         for rid in aborts:
             engine.core.abort_request(rid)
-        if not engine.has_unfinished_requests():
-            return [], rejected
-        return engine.step(), rejected
+        outputs = engine.step() if engine.has_unfinished_requests() else []
+        self._stats = engine.get_stats()
+        return outputs, rejected
 
     async def _run(self) -> None:
         try:
             while True:
                 adds, aborts = self._take_inbox()
-                outputs, rejected = await asyncio.to_thread(self._step, adds, aborts)
+                try:
+                    outputs, rejected = await asyncio.to_thread(self._step, adds, aborts)
+                finally:  # the snapshot counts them now (or they are gone)
+                    self._transit = [self._transit[0] - len(adds),
+                                     self._transit[1] - sum(r.num_prompt_tokens for r, _, _ in adds)]
                 for rid, exc in rejected:
                     stream = self._streams.pop(rid, None)
                     if stream is not None:

@@ -36,13 +36,17 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # CUDA: batch-invariant mode (engine/worker/deterministic.py): greedy speculation
     # bit-identical to plain decoding, at a speed cost. CPU is batch-invariant already.
     deterministic: bool = False
+    # Admission control (``AsyncLLM`` / ``LLMEngine.add_request``): at most this many requests /
+    # prompt tokens wait to run; past them a new request raises EngineOverloadedError. None = no bound.
+    max_queued_requests: int | None = None
+    max_queued_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("max_model_len", "num_threads"):
+        for name in ("max_model_len", "num_threads", "max_queued_requests", "max_queued_tokens"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
@@ -62,6 +66,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         spec = self.spec_config  # every key checked by SpeculativeConfig, named in its message
         if spec is not None:
             _check_spec_fits(spec, self.max_num_batched_tokens)
+
+    @property
+    def admission_control(self) -> bool:
+        """True when ``max_queued_requests`` or ``max_queued_tokens`` bounds the queue."""
+        return self.max_queued_requests is not None or self.max_queued_tokens is not None
 
     @property
     def spec_config(self):

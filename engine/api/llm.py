@@ -101,6 +101,10 @@ class LLM:
                 bar.close()
         return [final[i] for i in ids]
 
+    def get_stats(self):
+        """Engine-wide figures (``EngineStats``: requests, KV blocks, prefix cache, speculation)."""
+        return self.engine.get_stats()
+
     def get_spec_stats(self):
         return self.engine.get_spec_stats()
 

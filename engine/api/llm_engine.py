@@ -19,6 +19,7 @@ from tokenbudget.engine.api.config import EngineConfig
 from tokenbudget.engine.api.outputs import RequestOutput
 from tokenbudget.engine.api.sampling_params import SamplingParams
 from tokenbudget.engine.core.prompts import PromptInput, make_request
+from tokenbudget.engine.core.stats import EngineStats, check_admission
 from tokenbudget.engine.core.wiring import load_and_wire
 from tokenbudget.engine.loader.target import TargetModel
 from tokenbudget.engine.worker.keyed_random import mix64
@@ -79,16 +80,20 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptInput, sampling_params: SamplingParams | None = None,
                     priority: int = 0) -> None:
         """Queue a request. Raises ValueError (changing nothing) for a bad prompt, bad params, a
-        prompt longer than ``max_model_len`` or a duplicate ``request_id``."""
+        prompt longer than ``max_model_len`` or a duplicate ``request_id``; EngineOverloadedError
+        past ``max_queued_requests`` / ``max_queued_tokens``."""
         text, request = self.make_request(request_id, prompt, sampling_params, priority)
+        if self.config.admission_control:
+            stats = self.core.get_stats()
+            check_admission(self.config, stats.num_waiting, stats.num_waiting_tokens, request.num_prompt_tokens)
         self.add_made_request(request, text)
 
-    def add_made_request(self, request, prompt_text: str | None = None) -> None:
+    def add_made_request(self, request, prompt_text: str | None = None, arrival_time: float | None = None) -> None:
         """Queue a request from ``make_request``. A request without a user seed gets one keyed by
         the engine's ``seed`` and the number of requests accepted before it."""
         if request.sampling_params.seed is None:
             request.seed = mix64(self.config.seed, self._num_added)
-        self.core.add_request(request, prompt_text)
+        self.core.add_request(request, prompt_text, arrival_time)
         self._num_added += 1
 
     def abort_request(self, request_id: str, missing_ok: bool = False) -> RequestOutput | None:
@@ -115,6 +120,10 @@ class LLMEngine:
 
     def is_healthy(self) -> bool:
         return self.core.is_healthy()
+
+    def get_stats(self) -> EngineStats:
+        """Running/waiting/preempted requests, KV blocks, prefix-cache hits, speculation, tokens/s."""
+        return self.core.get_stats()
 
     # ------------------------------------------------------------------ metrics
     def get_spec_stats(self):

@@ -40,6 +40,13 @@ class CompletionOutput(msgspec.Struct, kw_only=True):
 
 
 class RequestMetrics(msgspec.Struct, kw_only=True):
+    """Counts and timestamps of one request. Timestamps are ``time.monotonic()`` seconds (None
+    until the event happened): ``arrival_time`` when ``add_request`` accepted it,
+    ``first_scheduled_time`` when a step first ran it, ``first_token_time`` / ``last_token_time``
+    when its first / latest tokens were committed, ``finished_time`` at its final output. The
+    intervals (queue time, TTFT, TPOT, e2e) are properties, so they cannot disagree with the
+    timestamps; ITL is the gap between the ``last_token_time`` of successive DELTA outputs."""
+
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
@@ -47,6 +54,33 @@ class RequestMetrics(msgspec.Struct, kw_only=True):
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = []
+    num_output_tokens: int = 0
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        """Arrival to first scheduled step."""
+        return _gap(self.arrival_time, self.first_scheduled_time)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Arrival to the first committed token (TTFT)."""
+        return _gap(self.arrival_time, self.first_token_time)
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean gap between output tokens after the first (TPOT); None with fewer than two."""
+        gap = _gap(self.first_token_time, self.last_token_time)
+        return gap / (self.num_output_tokens - 1) if gap is not None and self.num_output_tokens > 1 else None
+
+    @property
+    def e2e_latency(self) -> float | None:
+        """Arrival to the final output."""
+        return _gap(self.arrival_time, self.finished_time)
 
     @property
     def acceptance_rate(self) -> float:
@@ -61,3 +95,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     finished: bool = False
     metrics: RequestMetrics | None = None
     error: str | None = None  # with finish_reason "error": the fault, as "ExceptionType: message"
+
+
+def _gap(start: float | None, end: float | None) -> float | None:
+    return end - start if start is not None and end is not None else None

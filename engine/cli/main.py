@@ -1,4 +1,4 @@
-"""The ``tokenbudget`` console script: ``generate`` and ``fuzz``."""
+"""The ``tokenbudget`` console script: ``generate``, ``fuzz``, ``serve``, ``bench serve``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_parser(sub)
     from tokenbudget.engine.cli import fuzz
     fuzz.add_parser(sub).set_defaults(run=fuzz.run)
+    from tokenbudget.engine.cli import serve
+    serve.add_parser(sub)
+    from tokenbudget.engine.cli import bench_serve
+    bench_serve.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:

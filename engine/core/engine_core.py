@@ -41,12 +41,14 @@ blocks when it finishes the request.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection
 
 from tokenbudget.engine.api.errors import EngineDeadError
 from tokenbudget.engine.api.outputs import RequestOutput
 from tokenbudget.engine.core.interrupts import deferred_sigint
 from tokenbudget.engine.core.output_processor import OutputProcessor
+from tokenbudget.engine.core.stats import EngineStats, ThroughputMeter, collect_stats
 from tokenbudget.scheduler.output import EngineCoreOutput, SchedulerOutput
 from tokenbudget.scheduler.request import Request, RequestStatus
 from tokenbudget.scheduler.scheduler import Scheduler
@@ -70,18 +72,23 @@ class EngineCore:
         self.num_errored_requests = 0
         self.failed_steps_in_a_row = 0  # steps in which no attempt that ran something passed
         self._progress = False  # this step: an attempt that ran something passed
+        self.num_prompt_tokens = 0  # of the requests accepted
+        self.num_generated_tokens = 0  # output tokens committed
+        self.throughput = ThroughputMeter()
         self._participants: set[str] = set()
 
     # ------------------------------------------------------------------ requests (between steps)
-    def add_request(self, request: Request, prompt: str | None = None) -> None:
-        """Queue a request; ValueError (changing nothing) for a bad one."""
+    def add_request(self, request: Request, prompt: str | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request; ValueError (changing nothing) for a bad one. ``arrival_time``
+        (``time.monotonic()``): when the caller accepted it; now by default."""
         self.raise_if_dead()
         self.scheduler.add_request(request)
         try:
-            self.outputs.add_request(request, prompt)
+            self.outputs.add_request(request, prompt, arrival_time)
         except BaseException:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
             raise
+        self.num_prompt_tokens += request.num_prompt_tokens
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a running or waiting request; its final output (``finish_reason="abort"``), or
@@ -97,6 +104,10 @@ class EngineCore:
 
     def is_healthy(self) -> bool:
         return self.dead is None
+
+    def get_stats(self) -> EngineStats:
+        """Engine-wide figures (``engine.core.stats``); call between steps."""
+        return collect_stats(self)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
@@ -121,6 +132,7 @@ class EngineCore:
             participants.update(r.request_id for r in scheduler.decoding_requests(only))
         dirty = False
         scheduler.begin_step()
+        step_start = time.monotonic()
         try:
             drafts = speculator.propose(scheduler, only)
             with deferred_sigint():
@@ -131,7 +143,7 @@ class EngineCore:
             dirty = True
             result = self.runner.execute(sched)
             plan = scheduler.plan_update(sched, result)
-            step_outputs = outputs.prepare(plan)
+            step_outputs = outputs.prepare(plan, step_start)
         except BaseException:
             with deferred_sigint():
                 outputs.rollback()
@@ -146,6 +158,9 @@ class EngineCore:
         try:
             finished = self.scheduler.apply_update(sched, plan)
             self.outputs.commit()
+            generated = sum(len(entry.new_token_ids) for entry in plan)
+            self.num_generated_tokens += generated
+            self.throughput.add(generated)
             last = getattr(self.runner, "last_step", None)
             self.speculator.commit(plan, sched.total_num_scheduled_tokens, last[1] if last else None,
                                    len(sched.scheduled))

@@ -14,10 +14,15 @@ one that completed the string, so speculative and plain decoding commit the same
 returns the step's outputs. ``rollback`` restores every saved state; ``commit`` drops the saves.
 Streamed text holds back a tail that could still become a stop string; a final output carries
 the complete text.
+
+Timestamps (``RequestMetrics``): arrival comes from ``add_request``, first scheduled is the start
+of the first step that ran the request (``prepare(plan, step_start)``), token times are taken when
+``prepare`` sees the tokens; a rolled-back step restores them with the rest of the state.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from tokenbudget.engine.api.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -47,16 +52,22 @@ class RequestState:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    arrival_time: float = 0.0  # time.monotonic() seconds
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
     def snapshot(self) -> tuple:
         return (len(self.token_ids), len(self.logprobs) if self.logprobs is not None else 0,
                 self.cumulative_logprob, self.num_sent, self.streamed_text, self.num_draft_steps,
                 self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_pos),
+                self.first_token_time, self.last_token_time,
                 self.detok.snapshot() if self.detok is not None else None)
 
     def restore(self, saved: tuple) -> None:
         (n, n_lp, self.cumulative_logprob, self.num_sent, self.streamed_text, self.num_draft_steps,
-         self.num_draft_tokens, self.num_accepted_tokens, self.accepted_per_pos, detok) = saved
+         self.num_draft_tokens, self.num_accepted_tokens, self.accepted_per_pos, self.first_token_time,
+         self.last_token_time, detok) = saved
         del self.token_ids[n:]
         if self.logprobs is not None:
             del self.logprobs[n_lp:]
@@ -69,8 +80,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
         self._saved: list[tuple[RequestState, tuple]] = []  # this step's states, as they were
+        self._first_scheduled: list[RequestState] = []  # first scheduled in this step
 
-    def add_request(self, request: Request, prompt: str | None = None) -> None:
+    def add_request(self, request: Request, prompt: str | None = None, arrival_time: float | None = None) -> None:
         params = request.sampling_params or _DEFAULT_PARAMS
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
@@ -78,7 +90,8 @@ class OutputProcessor:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
         state = RequestState(request, prompt, params, detok,
-                             bool(params.stop) or params.output_kind != FINAL_ONLY)
+                             bool(params.stop) or params.output_kind != FINAL_ONLY,
+                             arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         if params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
         self.states[request.request_id] = state
@@ -87,15 +100,23 @@ class OutputProcessor:
         return request_id in self.states
 
     # ---- the step
-    def prepare(self, plan: list[EngineCoreOutput]) -> list[RequestOutput]:
-        """Update states from the plan (may end requests at stop strings); the step's outputs."""
+    def prepare(self, plan: list[EngineCoreOutput], step_start: float | None = None) -> list[RequestOutput]:
+        """Update states from the plan (may end requests at stop strings); the step's outputs.
+        ``step_start``: when the step began (the first-scheduled time of its new requests)."""
         outputs: list[RequestOutput] = []
+        now = time.monotonic()
         for entry in plan:
+            state = self.states[entry.request_id]
+            if state.first_scheduled_time is None:
+                state.first_scheduled_time = now if step_start is None else step_start
+                self._first_scheduled.append(state)
             if not entry.new_token_ids:
                 continue
-            state = self.states[entry.request_id]
             saved = state.snapshot()
             self._saved.append((state, saved))
+            if state.first_token_time is None:
+                state.first_token_time = now
+            state.last_token_time = now
             self._add_tokens(state, entry)
             if state.params.stop and state.detok is not None:
                 self._check_stop_strings(state, entry, saved[-1])
@@ -108,9 +129,13 @@ class OutputProcessor:
         saved, self._saved = self._saved, []
         for state, snapshot in reversed(saved):
             state.restore(snapshot)
+        for state in self._first_scheduled:
+            state.first_scheduled_time = None
+        self._first_scheduled.clear()
 
     def commit(self) -> None:
         self._saved.clear()
+        self._first_scheduled.clear()
 
     def final_output(self, request: Request, error: str | None = None) -> RequestOutput | None:
         """The last output of a request ended between steps (abort, error); drops its state."""
@@ -207,7 +232,10 @@ class OutputProcessor:
             num_prompt_tokens=len(request.prompt_token_ids), num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions, num_draft_steps=state.num_draft_steps,
             num_draft_tokens=state.num_draft_tokens, num_accepted_tokens=state.num_accepted_tokens,
-            accepted_per_position=list(state.accepted_per_pos))
+            accepted_per_position=list(state.accepted_per_pos), num_output_tokens=len(state.token_ids),
+            arrival_time=state.arrival_time, first_scheduled_time=state.first_scheduled_time,
+            first_token_time=state.first_token_time, last_token_time=state.last_token_time,
+            finished_time=time.monotonic() if finished else None)
         return RequestOutput(request_id=request.request_id, prompt=state.prompt,
                              prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=finished,
                              metrics=metrics, error=error)

@@ -1,0 +1,258 @@
+"""The OpenAI-compatible routes on one ``AsyncLLM``.
+
+    POST /v1/completions, POST /v1/chat/completions (JSON, or SSE with ``"stream": true``)
+    GET /v1/models, GET /health (503 once the engine is dead), GET /metrics (Prometheus)
+
+Every check runs before a response starts: the body decodes strictly (``protocol``), then
+``AsyncLLM.add_request`` validates and queues synchronously, so a bad field is a 400, a full
+queue a 429 with ``Retry-After``, a dead engine a 503, all as OpenAI error objects and before any
+byte of a stream. A client that goes away (streaming or not) aborts its request at once: every
+response races the request's generation against the connection's ``http.disconnect``. A request
+that ends aborted or in error is reported as an error, never as a finished answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tokenbudget.engine.api.errors import EngineDeadError, EngineOverloadedError, RequestError
+from tokenbudget.engine.serve import protocol as proto
+from tokenbudget.engine.serve import responses as resp
+from tokenbudget.engine.serve.metrics import CONTENT_TYPE, ServerMetrics
+
+_OPEN_PATHS = ("/health", "/metrics")
+
+
+class _Json(JSONResponse):
+    def render(self, content) -> bytes:
+        return msgspec.json.encode(content)
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None, headers: dict | None = None) -> _Json:
+    return _Json(resp.error_body(message, kind, param, status), status_code=status, headers=headers)
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+async def _until_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _race_disconnect(work, receive):
+    """Run ``work`` (a coroutine) unless the client disconnects first; (done, result)."""
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(_until_disconnect(receive))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watch):
+            t.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    return (True, task.result()) if task in done else (False, None)
+
+
+class _AbortOnDisconnect(StreamingResponse):
+    """An SSE response whose generator is cancelled when the client leaves; ``on_close`` (abort
+    the request; a no-op once it finished) runs however the response ends, even when the client
+    left before the generator started."""
+
+    def __init__(self, content, on_close, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await _race_disconnect(self.stream_response(send), receive)
+        finally:
+            self.on_close()
+
+
+class _RequireKey:
+    """Plain ASGI middleware (no wrapping of bodies or streams): 401 without the bearer key,
+    except for the probe routes."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = _error(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class OpenAIServer:
+    def __init__(self, llm, model_name: str) -> None:
+        self.llm, self.model_name = llm, model_name
+        self.metrics = ServerMetrics(llm)
+        self.token_text = resp.TokenText(llm.tokenizer)
+
+    # ---------------------------------------------------------------- requests
+    def _start(self, body: bytes, chat: bool):
+        kind = proto.ChatCompletionRequest if chat else proto.CompletionRequest
+        req = proto.decode(body, kind)
+        if req.model is not None and req.model != self.model_name:
+            raise proto.ProtocolError(f"model {req.model!r} is not served here (serving {self.model_name!r})", "model")
+        params = proto.to_sampling_params(req, bool(req.stream))
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if chat:
+            stream = self.llm.chat(proto.chat_messages(req), params, request_id=rid)
+        else:
+            stream = self.llm.add_request(rid, proto.completion_prompt(req), params)
+        return req, params, rid, stream
+
+    async def handle(self, request: Request, chat: bool) -> Response:
+        req, params, rid, stream = self._start(await request.body(), chat)
+        created = int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            gen = self._chat_events if chat else self._completion_events
+            return _AbortOnDisconnect(gen(stream, rid, created, params.logprobs or 0, include_usage),
+                                      functools.partial(self.llm.abort, rid), media_type="text/event-stream")
+        done, out = await _race_disconnect(self._final(stream), request.receive)
+        if not done:
+            self.llm.abort(rid)
+            return Response(status_code=499)  # nobody reads it
+        self.metrics.observe(out)
+        if out.outputs[0].finish_reason == "abort":
+            return _error(503, "the request was aborted (the server is shutting down)", "server_error")
+        build = resp.chat_object if chat else resp.completion_object
+        return _Json(build(rid, created, self.model_name, out, params.logprobs or 0, self.token_text))
+
+    async def _final(self, stream):
+        try:
+            async for out in stream:
+                last = out
+            return last
+        except RequestError as exc:
+            if exc.output is not None:
+                self.metrics.observe(exc.output)
+            raise
+
+    async def _events(self, stream, rid: str, created: int, obj: str, include_usage: bool, render):
+        """SSE events: ``render(out)`` per output, usage, ``[DONE]``; an error event (and no
+        ``[DONE]``) when the request is aborted or fails."""
+        n_out, last = 0, None
+        try:
+            async for out in stream:
+                last = out
+                if out.outputs[0].finish_reason == "abort":
+                    yield _sse(resp.error_body("the request was aborted", "server_error", code=503))
+                    return
+                n_out += len(out.outputs[0].token_ids)
+                for event in render(out):
+                    yield _sse(event)
+            self.metrics.observe(last)
+            if include_usage:
+                yield _sse(resp.usage_chunk(rid, created, self.model_name, obj, len(last.prompt_token_ids), n_out,
+                                            last.metrics))
+            yield b"data: [DONE]\n\n"
+        except (RequestError, EngineDeadError) as exc:
+            yield _sse(resp.error_body(str(exc), "server_error", code=500))
+        finally:
+            if not stream.finished:
+                self.llm.abort(rid)
+
+    def _completion_events(self, stream, rid, created, n_logprobs, include_usage):
+        offset = [0]
+
+        def render(out):
+            chunk = resp.completion_chunk(rid, created, self.model_name, out, n_logprobs, self.token_text, offset[0])
+            offset[0] += len(out.outputs[0].text)
+            return [chunk]
+
+        return self._events(stream, rid, created, "text_completion", include_usage, render)
+
+    def _chat_events(self, stream, rid, created, n_logprobs, include_usage):
+        first = [True]
+
+        def render(out):
+            c = out.outputs[0]
+            events = []
+            if first[0]:
+                events.append(resp.chat_chunk(rid, created, self.model_name, {"role": "assistant", "content": ""}))
+                first[0] = False
+            if c.text or c.token_ids or c.finish_reason:
+                lps = resp.chat_logprobs(c.token_ids, c.logprobs, n_logprobs, self.token_text)
+                events.append(resp.chat_chunk(rid, created, self.model_name, {"content": c.text} if c.text else {},
+                                              c.finish_reason, lps))
+            return events
+
+        return self._events(stream, rid, created, "chat.completion.chunk", include_usage, render)
+
+
+def build_app(llm, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving ``llm`` (an ``AsyncLLM``) as ``model_name``."""
+    server = OpenAIServer(llm, model_name)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await llm.shutdown()  # after the drain: abort what is left
+
+    app = FastAPI(title="tokenbudget", lifespan=lifespan)
+    app.state.server = server
+
+    if api_key is not None:
+        app.add_middleware(_RequireKey, api_key=api_key)
+
+    @app.exception_handler(proto.ProtocolError)
+    async def bad_body(request, exc: proto.ProtocolError):
+        return _error(400, str(exc), "invalid_request_error", exc.param)
+
+    @app.exception_handler(ValueError)
+    async def bad_value(request, exc: ValueError):  # from AsyncLLM.add_request: the prompt, mostly
+        word = str(exc).split(" ", 1)[0]
+        return _error(400, str(exc), "invalid_request_error", word if word in proto.FIELDS else "prompt")
+
+    @app.exception_handler(EngineOverloadedError)
+    async def overloaded(request, exc: EngineOverloadedError):
+        return _error(429, str(exc), "rate_limit_error", headers={"Retry-After": str(max(1, round(exc.retry_after)))})
+
+    @app.exception_handler(EngineDeadError)
+    async def dead(request, exc: EngineDeadError):
+        return _error(503, str(exc), "server_error")
+
+    @app.exception_handler(RequestError)
+    async def failed(request, exc: RequestError):
+        return _error(500, str(exc), "server_error")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await server.handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await server.handle(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return _Json({"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                                  "owned_by": "tokenbudget",
+                                                  "max_model_len": llm.engine.max_model_len}]})
+
+    @app.get("/health")
+    async def health():
+        if llm.is_healthy():
+            return Response(status_code=200)
+        return _error(503, "the engine is dead", "server_error")
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,189 @@
+"""OpenAI request bodies, and the one mapping from a body to ``SamplingParams``.
+
+Bodies decode strictly (msgspec, ``forbid_unknown_fields``): an unknown field or a value of the
+wrong type is a ``ProtocolError`` naming the field, answered with HTTP 400 before anything runs.
+Values are then checked by ``SamplingParams`` itself (its ``ValueError`` names the field).
+
+``to_sampling_params`` is the only place that knows how OpenAI (and vLLM's extra) fields become
+``SamplingParams``: new sampling features are mapped here. OpenAI fields the engine cannot honour
+yet are accepted by the decoder (the official client may send them) but refused with a 400 when
+set to anything but their neutral value: ``NOT_MAPPED`` lists them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import msgspec
+
+from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
+
+# OpenAI fields not mapped yet (the sampling-parity work adds them to SamplingParams), with the
+# value that means "not used".
+NOT_MAPPED: dict[str, Any] = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None,
+                              "response_format": None, "best_of": None, "echo": False, "suffix": None,
+                              "tools": None, "tool_choice": None, "parallel_tool_calls": None,
+                              "repetition_penalty": None}
+_NEUTRAL_RESPONSE_FORMAT = {"type": "text"}
+
+
+class ProtocolError(ValueError):
+    """A bad request body; ``param`` is the offending field (OpenAI's ``error.param``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class SpeculativeOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """Per-request speculation: 0 = off, k = at most k drafts per step, "auto" = the engine's."""
+
+    num_speculative_tokens: int | Literal["auto"] = "auto"
+
+
+class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    speculative: SpeculativeOptions | None = None
+    # OpenAI fields not mapped yet (NOT_MAPPED)
+    n: int | None = 1
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None
+
+
+class CompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
+    prompt: str | list[int | str | list[int]]  # a string, token ids, or a list of one of them
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+FIELDS = frozenset(CompletionRequest.__struct_fields__) | frozenset(ChatCompletionRequest.__struct_fields__)
+
+_AT = re.compile(r"at `\$\.([A-Za-z_][\w]*)")
+_UNKNOWN = re.compile(r"unknown field `([^`]+)`")
+_REQUIRED = re.compile(r"missing required field `([^`]+)`")
+
+
+def decode(body: bytes, kind: type[_Common]) -> _Common:
+    """The request body as ``kind``; ``ProtocolError`` naming the field otherwise."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        msg = str(exc)
+        found = _UNKNOWN.search(msg) or _AT.search(msg) or _REQUIRED.search(msg)
+        param = found.group(1) if found else None
+        if _UNKNOWN.search(msg):
+            msg = f"unknown field {param!r}: not an OpenAI (or supported vLLM) request field"
+        raise ProtocolError(msg, param) from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"the request body is not valid JSON: {exc}") from None
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """One prompt: a string or token ids (a list of one of them is accepted)."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) != 1:
+            raise ProtocolError("prompt: only one prompt per request is supported", "prompt")
+        prompt = prompt[0]
+    if not prompt:
+        raise ProtocolError("prompt must not be empty", "prompt")
+    return prompt
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """Messages for the chat template; content parts of type "text" are joined."""
+    out = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            if any(part.get("type") != "text" for part in content):
+                raise ProtocolError(f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(str(part.get("text", "")) for part in content)
+        out.append({"role": m.role, "content": content or ""})
+    if not out:
+        raise ProtocolError("messages must not be empty", "messages")
+    return out
+
+
+def _check_not_mapped(req: _Common) -> None:
+    for name, neutral in NOT_MAPPED.items():
+        value = getattr(req, name, neutral)
+        if value is None or value == neutral or (name == "response_format" and value == _NEUTRAL_RESPONSE_FORMAT):
+            continue
+        raise ProtocolError(f"{name} is not supported yet (got {value!r})", name)
+
+
+def to_sampling_params(req: _Common, stream: bool) -> SamplingParams:
+    """The ``SamplingParams`` of a completion or chat body; ``ProtocolError`` naming the field."""
+    _check_not_mapped(req)
+    opts: dict[str, Any] = {}
+    max_tokens = req.max_tokens
+    if isinstance(req, ChatCompletionRequest):
+        if req.max_completion_tokens is not None:
+            max_tokens = req.max_completion_tokens
+        if req.logprobs:
+            opts["logprobs"] = req.top_logprobs or 0
+        elif req.top_logprobs is not None:
+            raise ProtocolError("top_logprobs needs logprobs: true", "top_logprobs")
+    elif req.logprobs is not None:
+        opts["logprobs"] = req.logprobs
+    if max_tokens is not None:
+        opts["max_tokens"] = max_tokens
+    elif isinstance(req, ChatCompletionRequest):
+        opts["max_tokens"] = 2**20  # OpenAI chat: until the model stops (the context length caps it)
+    for name in ("temperature", "top_p", "seed", "stop", "top_k", "min_p", "min_tokens", "ignore_eos",
+                 "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens"):
+        value = getattr(req, name)
+        if value is not None:
+            opts[name] = value
+    if req.speculative is not None and req.speculative.num_speculative_tokens != "auto":
+        opts["num_speculative_tokens"] = req.speculative.num_speculative_tokens
+    opts["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+    try:
+        return SamplingParams(**opts)
+    except ValueError as exc:
+        field = str(exc).split(" ", 1)[0]
+        raise ProtocolError(str(exc), "max_completion_tokens" if field == "max_tokens" and isinstance(
+            req, ChatCompletionRequest) and req.max_completion_tokens is not None else field) from None

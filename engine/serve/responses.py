@@ -1,0 +1,109 @@
+"""OpenAI response objects (plain dicts, encoded with msgspec) from engine outputs.
+
+Shapes follow what the official ``openai`` client parses: ``text_completion`` /
+``chat.completion`` objects, their streamed chunks, ``usage`` with
+``prompt_tokens_details.cached_tokens``, and logprobs with token strings (completions:
+``tokens``/``token_logprobs``/``top_logprobs``/``text_offset``; chat: ``content`` entries with
+``token``/``logprob``/``bytes``/``top_logprobs``). A token's string is its own decoded text.
+"""
+
+from __future__ import annotations
+
+from tokenbudget.engine.api.outputs import RequestMetrics, RequestOutput
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: int | str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, metrics: RequestMetrics | None) -> dict:
+    cached = metrics.num_cached_tokens if metrics is not None else 0
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class TokenText:
+    """Token id -> its text, cached (the same few thousand tokens come back all the time)."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False) if self._tokenizer else str(token_id)
+            self._cache[token_id] = text
+        return text
+
+
+def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float]] | None, n: int, text: TokenText,
+                        offset: int = 0) -> dict | None:
+    """Completions-API logprobs; ``offset`` is the text offset of the first token."""
+    if logprobs is None:
+        return None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, entry in zip(token_ids, logprobs):
+        s = text(tid)
+        tokens.append(s)
+        token_lps.append(entry[tid])
+        tops.append({text(t): lp for t, lp in _top(entry, n)} if n else None)
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]] | None, n: int,
+                  text: TokenText) -> dict | None:
+    if logprobs is None:
+        return None
+
+    def item(tid: int, lp: float) -> dict:
+        s = text(tid)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [dict(item(tid, entry[tid]), top_logprobs=[item(t, lp) for t, lp in _top(entry, n)])
+                        for tid, entry in zip(token_ids, logprobs)]}
+
+
+def completion_object(rid: str, created: int, model: str, out: RequestOutput, n_logprobs: int,
+                      text: TokenText) -> dict:
+    c = out.outputs[0]
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": c.text, "finish_reason": c.finish_reason,
+                         "logprobs": completion_logprobs(c.token_ids, c.logprobs, n_logprobs, text)}],
+            "usage": usage(len(out.prompt_token_ids), len(c.token_ids), out.metrics)}
+
+
+def chat_object(rid: str, created: int, model: str, out: RequestOutput, n_logprobs: int, text: TokenText) -> dict:
+    c = out.outputs[0]
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
+                         "finish_reason": c.finish_reason,
+                         "logprobs": chat_logprobs(c.token_ids, c.logprobs, n_logprobs, text)}],
+            "usage": usage(len(out.prompt_token_ids), len(c.token_ids), out.metrics)}
+
+
+def completion_chunk(rid: str, created: int, model: str, out: RequestOutput, n_logprobs: int, text: TokenText,
+                     offset: int) -> dict:
+    c = out.outputs[0]
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": c.text, "finish_reason": c.finish_reason,
+                         "logprobs": completion_logprobs(c.token_ids, c.logprobs, n_logprobs, text, offset)}]}
+
+
+def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: str | None = None,
+               logprobs: dict | None = None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: str, prompt_tokens: int, completion_tokens: int,
+                metrics: RequestMetrics | None) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens, metrics)}
