@@ -13,7 +13,7 @@ architecture.
 
 from tokenbudget.engine.api.config import EngineConfig
 from tokenbudget.engine.api.errors import EngineDeadError, RequestError
-from tokenbudget.engine.api.outputs import CompletionOutput, GenerateRequest, RequestMetrics, RequestOutput
+from tokenbudget.engine.api.outputs import CompletionOutput, GenerateRequest, Logprob, RequestMetrics, RequestOutput
 from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
 
 _LAZY = {  # heavy (torch, model code): imported on first use
@@ -31,5 +31,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["AsyncLLM", "CompletionOutput", "EngineConfig", "EngineDeadError", "GenerateRequest", "LLM",
-           "LLMEngine", "RequestError", "RequestMetrics", "RequestOutput", "RequestOutputKind",
+           "LLMEngine", "Logprob", "RequestError", "RequestMetrics", "RequestOutput", "RequestOutputKind",
            "SamplingParams"]

@@ -67,7 +67,7 @@ class AsyncLLM:
         if isinstance(params, SamplingParams) and kind != RequestOutputKind.FINAL_ONLY:
             params = msgspec.structs.replace(params, output_kind=RequestOutputKind.DELTA)  # streams merge
         text, request = self.engine.make_request(rid, prompt, params, priority)
-        stream = RequestStream(rid, kind, self.abort)
+        stream = RequestStream(rid, kind, self.abort, request.sampling_params.n)
         self._streams[rid] = stream
         with self._inbox_lock:
             self._pending_adds.append((request, text))
