@@ -125,10 +125,11 @@ class Request:
 
     @property
     def waits_for_prefix(self) -> bool:
-        """Its sibling is queued or still computing the shared prompt (see ``shares_prefix_with``)."""
+        """Its sibling is queued or has not committed the shared prompt yet (no output token:
+        ``num_computed_tokens`` runs ahead of the commit, the prefix cache does not)."""
         src = self.shares_prefix_with
-        return src is not None and (src.status == RequestStatus.WAITING or (
-            src.status == RequestStatus.RUNNING and src.num_computed_tokens < len(src.prompt_token_ids)))
+        return (src is not None and src.status in (RequestStatus.WAITING, RequestStatus.RUNNING)
+                and len(src.all_token_ids) == len(src.prompt_token_ids))
 
     @property
     def finish_reason(self) -> str | None:
