@@ -20,11 +20,12 @@ from tokenbudget import AsyncLLM, EngineConfig, LLM, RequestOutputKind, Sampling
 
 from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, default_target  # noqa: E402
 
+IM_START, IM_END, COMMA = 1, 2, 28
 PROMPT = "Repeat after me: red green blue, red green blue, red green blue, red green blue,"
 LONG = ("You are a careful assistant. Read the notes and answer briefly. Notes: the red house is next to the "
         "blue house; the green house has a cat. Question: which house has a cat? Answer:")
-SEEDED = SamplingParams(n=3, temperature=0.9, seed=17, max_tokens=8, ignore_eos=True)
-IM_START, IM_END, COMMA = 1, 2, 28
+SEEDED = SamplingParams(n=3, temperature=0.6, seed=17, max_tokens=12, ignore_eos=True, frequency_penalty=0.1,
+                        presence_penalty=0.1, repetition_penalty=1.02, logit_bias={COMMA: 0.5})
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +49,13 @@ def test_n_children_are_seed_plus_index_and_reproducible(llm) -> None:
     assert len({tuple(t) for t in tokens(out)}) > 1  # independent samples
     again = llm.generate([PROMPT, LONG], [SEEDED, SamplingParams(max_tokens=3)], use_tqdm=False)
     assert tokens(again[0]) == tokens(out)
-    spec = LLM(default_target(), **ENGINE_OPTS, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-    (with_spec,) = spec.generate(PROMPT, SEEDED, use_tqdm=False)
-    assert tokens(with_spec) == tokens(out)
-    assert with_spec.metrics.num_draft_tokens > 0
+    for method in ("ngram", "suffix"):  # seeded: the coupled rule gives plain decoding's tokens
+        spec = LLM(default_target(), **ENGINE_OPTS, speculative_config={"method": method, "num_speculative_tokens": 4})
+        (with_spec,) = spec.generate(PROMPT, SEEDED, use_tqdm=False)
+        assert tokens(with_spec) == tokens(out)
+        assert 0 < with_spec.metrics.num_accepted_tokens < with_spec.metrics.num_draft_tokens
+        assert_all_blocks_free(spec.engine)
     assert_all_blocks_free(llm.engine)
-    assert_all_blocks_free(spec.engine)
 
 
 def test_n_children_read_the_prompt_from_the_prefix_cache() -> None:
