@@ -182,8 +182,11 @@ def test_speculation_gives_identical_greedy_tokens(method, plain) -> None:
     llm = LLM(default_target(), **ENGINE_OPTS, speculative_config=spec)
     assert run_all(llm) == plain
     stats = llm.get_spec_stats()
-    # Drafts were verified, and the prepared rows rejected some of them.
-    assert stats.num_draft_tokens > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.num_accepted_tokens > 0  # rows after accepted drafts were used
+    if method == "draft_model":  # the target drafting itself, with the same row preparation
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+    else:  # the prepared rows rejected some of the text-copying drafts
+        assert stats.num_accepted_tokens < stats.num_draft_tokens
 
 
 def test_prompt_and_sample_logprobs_equal_transformers(llm, hf) -> None:
