@@ -78,9 +78,11 @@ class KVCacheManager:
 
         Never the whole sequence: at most ``(num_tokens - 1) // block_size`` blocks, so the last
         token is always recomputed. Takes no reference and counts nothing: ``allocate_slots``
-        takes the references, ``record_prefix_lookup`` counts an admission that happened.
+        takes the references, ``record_prefix_lookup`` counts an admission that happened. A
+        request marked ``skip_reading_prefix_cache`` (it needs every prompt position's logits)
+        gets none; its blocks are still cached for others.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or getattr(request, "skip_reading_prefix_cache", False):
             return [], 0
         tokens = request.all_token_ids
         hashes = self.req_hashes.setdefault(request.request_id, [])

@@ -31,6 +31,11 @@ class ScheduledRequest(msgspec.Struct, frozen=True, gc=False):
     a verify predicts output number ``num_output_tokens + j``), ``banned_token_ids`` (forbidden
     while the request is short of ``min_tokens``) and ``spec_probs`` (the drafter's ``[k, V]``
     probabilities of the scheduled drafts, or None: q(x) = 1 for the drafted token).
+
+    For row preparation and prompt logprobs: ``all_token_ids`` is the request's committed prompt +
+    output, the scheduler's own list like ``block_ids`` (it grows only in the commit that follows
+    the runner; read it, never write it), ``num_prompt_tokens`` its prompt length and
+    ``bad_words_token_ids`` the token sequences of ``params.bad_words``.
     """
 
     request_id: str
@@ -45,6 +50,9 @@ class ScheduledRequest(msgspec.Struct, frozen=True, gc=False):
     num_output_tokens: int = 0
     banned_token_ids: tuple[int, ...] = ()
     spec_probs: Any = None
+    all_token_ids: list[int] | None = None
+    num_prompt_tokens: int = 0
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -73,11 +81,14 @@ class ModelRunnerOutput:
     bonus/recovered token; for a partial prefill chunk it is empty.
 
     ``logprobs[i]``, when requested, holds one entry per committed token (opaque to the scheduler).
+    ``prompt_logprobs``: request id -> ``(first prompt position, entries)`` for the prompt tokens
+    whose logprobs this step computed (opaque to the scheduler).
     """
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[list] | None = None
+    prompt_logprobs: dict[str, tuple[int, list]] | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, gc=False):
@@ -95,6 +106,7 @@ class EngineCoreOutput(msgspec.Struct, gc=False):
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     new_logprobs: list | None = None
+    new_prompt_logprobs: tuple[int, list] | None = None
 
     @property
     def finished(self) -> bool:

@@ -61,6 +61,13 @@ class Request:
     seed: int = 0
     # Per-request speculation cap (None = engine default, 0 = never speculate).
     max_spec_tokens: int | None = None
+    # ``SamplingParams.bad_words`` as token id sequences (tokenized once, at add_request).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # Compute every prompt position (prompt logprobs need their logits): no prefix-cache hits.
+    skip_reading_prefix_cache: bool = False
+    # A sibling of the same prompt (``n > 1``): this request is not admitted while that one is
+    # still computing its prompt, so it finds the prompt's blocks in the prefix cache.
+    shares_prefix_with: Request | None = None
 
     all_token_ids: list[int] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)
@@ -115,6 +122,14 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def waits_for_prefix(self) -> bool:
+        """Its sibling is queued or has not committed the shared prompt yet (no output token:
+        ``num_computed_tokens`` runs ahead of the commit, the prefix cache does not)."""
+        src = self.shares_prefix_with
+        return (src is not None and src.status in (RequestStatus.WAITING, RequestStatus.RUNNING)
+                and len(src.all_token_ids) == len(src.prompt_token_ids))
 
     @property
     def finish_reason(self) -> str | None:

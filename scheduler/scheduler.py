@@ -174,17 +174,20 @@ class Scheduler:
             if block_ids is None:
                 break
             end = computed + n
+            num_prompt = len(request.prompt_token_ids)
             if end < num_committed:  # a prefill chunk that does not reach the end: nothing to sample
                 append(ScheduledRequest(request.request_id, computed, all_ids[computed:end], [], block_ids,
-                                        False, False, request.sampling_params, request.seed))
+                                        False, False, request.sampling_params, request.seed, 0, (), None,
+                                        all_ids, num_prompt))
             else:
                 spec = spec_ids[:end - num_committed]
-                num_output = num_committed - len(request.prompt_token_ids)
+                num_output = num_committed - num_prompt
                 append(ScheduledRequest(
                     request.request_id, computed, all_ids[computed:] + spec, spec, block_ids, False, True,
                     request.sampling_params, request.seed, num_output,
                     request.min_tokens_banned if num_output < request.min_tokens else (),
-                    request.spec_probs[:len(spec)] if spec and request.spec_probs is not None else None))
+                    request.spec_probs[:len(spec)] if spec and request.spec_probs is not None else None,
+                    all_ids, num_prompt, request.bad_words_token_ids))
             request.num_computed_tokens = end
             budget -= n
             i += 1
@@ -208,6 +211,10 @@ class Scheduler:
         for request in candidates:
             if budget <= 0 or len(running) >= cfg.max_num_seqs:
                 break
+            if request.shares_prefix_with is not None and cfg.enable_prefix_caching and request.waits_for_prefix:
+                if only is None:
+                    break  # the head waits one step or so for its sibling's prompt, then hits the cache
+                continue
             hits, num_hit = kv.get_computed_blocks(request)
             n = request.num_tokens - num_hit
             if n > budget:
@@ -241,16 +248,18 @@ class Scheduler:
         all_ids = request.all_token_ids
         num_committed = len(all_ids)
         request.num_computed_tokens = end
+        num_prompt = len(request.prompt_token_ids)
         if end < num_committed:
             return ScheduledRequest(request.request_id, start, all_ids[start:end], [], block_ids, is_new, False,
-                                    request.sampling_params, request.seed)
+                                    request.sampling_params, request.seed, 0, (), None, all_ids, num_prompt)
         spec = request.spec_token_ids[:end - num_committed]
-        num_output = num_committed - len(request.prompt_token_ids)
+        num_output = num_committed - num_prompt
         return ScheduledRequest(
             request.request_id, start, all_ids[start:] + spec, spec, block_ids, is_new, True,
             request.sampling_params, request.seed, num_output,
             request.min_tokens_banned if num_output < request.min_tokens else (),
-            request.spec_probs[:len(spec)] if spec and request.spec_probs is not None else None)
+            request.spec_probs[:len(spec)] if spec and request.spec_probs is not None else None,
+            all_ids, num_prompt, request.bad_words_token_ids)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Recompute later: free every block, forget computed KV and drafts, back to the queue head.
@@ -316,6 +325,9 @@ class Scheduler:
             lps = logprobs[idx] if logprobs is not None else None
             plan.append(EngineCoreOutput(sr.request_id, tokens if n == len(tokens) else tokens[:n], status,
                                          reason, num_drafts, num_accepted, lps[:n] if lps is not None else None))
+        if output.prompt_logprobs:
+            for entry in plan:
+                entry.new_prompt_logprobs = output.prompt_logprobs.get(entry.request_id)
         return plan
 
     def apply_update(self, sched: SchedulerOutput, plan: list[EngineCoreOutput]) -> list[Request]:

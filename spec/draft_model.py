@@ -27,10 +27,13 @@ When the drafter's KV is thrown away (``num_draft_computed = 0``):
 * preemption (``request.num_preemptions`` changed): the request's blocks were freed and it was
   recomputed into new ones.
 
-Sampling: greedy requests (``params.is_greedy``) take the drafter's argmax (ties: lowest id)
-and get no probabilities (greedy verification never reads q). Random requests draw from q =
-softmax of the drafter logits processed with the request's own temperature / min-p / top-k /
-top-p (``logits_processing.compute_target_probs``, the same processing p gets) by the exponential
+Sampling: each drafter row is first prepared like the target's (``logits_processing.
+prepare_logits``: bans, bias, logits processors, penalties, with the request's committed output
+plus the drafts so far as its context), so a drafter proposes what the request may produce.
+Greedy requests (``params.is_greedy``) take the drafter's argmax (ties: lowest id) and get no
+probabilities (greedy verification never reads q). Random requests draw from q = softmax of the
+prepared drafter logits processed with the request's own temperature / min-p / top-k / top-p
+(``logits_processing.compute_target_probs``, the same processing p gets) by the exponential
 race with keyed noise (``engine.worker.keyed_random``):
 * a request with a user seed uses the target's own noise for that position (stream TARGET), and
   no probabilities are handed over: the sampler verifies it with the coupled rule (accept while
@@ -63,7 +66,8 @@ from typing import Sequence
 import torch
 
 from tokenbudget.engine.worker.keyed_random import DRAFT, TARGET, keyed_exponential, race_argmax
-from tokenbudget.engine.worker.logits_processing import compute_target_probs
+from tokenbudget.engine.worker.logits_processing import compute_target_probs, prepare_logits
+from tokenbudget.engine.worker.sampler import SamplingRow
 from tokenbudget.scheduler.drafts import draft_limit
 from tokenbudget.scheduler.request import Request
 from tokenbudget.spec.draft_runner import DraftRunner
@@ -207,6 +211,7 @@ class DraftModelProposer(BaseProposer):
 
     def _sample(self, logits: torch.Tensor, requests, rows: list[int], drafts, probs) -> None:
         """Append one draft per row (``logits[r]`` belongs to request ``rows[r]``)."""
+        logits = prepare_logits(logits, [_draft_row(requests[i], drafts[i]) for i in rows])
         greedy = [r for r, i in enumerate(rows) if not _is_random(requests[i])]
         if greedy:
             idx = torch.tensor(greedy, dtype=torch.long, device=logits.device)
@@ -228,6 +233,19 @@ class DraftModelProposer(BaseProposer):
             drafts[i].append(tok)
             if probs[i] is not None:
                 probs[i].append(q[qi])
+
+
+def _draft_row(request: Request, drafts: list[int]) -> SamplingRow:
+    """The row preparation context of the request's next draft (after ``drafts``)."""
+    params = request.sampling_params
+    banned = request.min_tokens_banned
+    if params is None or not (params.needs_row_preparation or banned):
+        return SamplingRow(params)
+    uses_prompt = params.repetition_penalty != 1.0 or params.logits_processors
+    return SamplingRow(params, num_output_tokens=request.num_output_tokens + len(drafts), banned_token_ids=banned,
+                       prompt_token_ids=request.prompt_token_ids if uses_prompt else (),
+                       output_token_ids=request.output_token_ids + drafts,
+                       bad_words_token_ids=request.bad_words_token_ids)
 
 
 def _is_random(request: Request) -> bool:

@@ -257,9 +257,12 @@ def test_logprobs(llm, reference, n) -> None:
         assert tok in entry
         # greedy: the sampled token is the most likely, so it is among the top n (no extra entry)
         assert len(entry) == max(n, 1)
-        assert entry[tok] == max(entry.values()) and entry[tok] <= 0.0
-        assert all(math.isfinite(v) for v in entry.values())
-        total += entry[tok]
+        values = [lp.logprob for lp in entry.values()]
+        assert entry[tok].logprob == max(values) and entry[tok].logprob <= 0.0 and entry[tok].rank == 1
+        assert all(math.isfinite(v) for v in values)
+        assert [lp.rank for lp in entry.values()] == list(range(1, len(entry) + 1))
+        assert entry[tok].decoded_token == llm.tokenizer.decode([tok], skip_special_tokens=False)
+        total += entry[tok].logprob
     assert c.cumulative_logprob == pytest.approx(total, abs=1e-4)
     (plain,) = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     assert plain.outputs[0].logprobs is None and plain.outputs[0].cumulative_logprob is None
@@ -270,7 +273,8 @@ def test_logprobs_of_sampled_tokens_are_raw_model_logprobs(llm) -> None:
     (out,) = llm.generate(PROMPTS[0], params, use_tqdm=False)
     for tok, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
         assert tok in entry and len(entry) == 5  # top_k=5: the sampled token is one of the top 5
-        assert math.fsum(math.exp(v) for v in entry.values()) <= 1.0 + 1e-5
+        assert math.fsum(math.exp(v.logprob) for v in entry.values()) <= 1.0 + 1e-5
+        assert 1 <= entry[tok].rank <= 5
 
 
 # ---------------------------------------------------------------- prefix caching

@@ -9,8 +9,9 @@ import pytest
 from tokenbudget.engine.api.sampling_params import SamplingParams
 
 BAD_VALUES = [
-    ("n", 2),
     ("n", 0),
+    ("n", -2),
+    ("n", 1.5),
     ("temperature", -0.1),
     ("temperature", float("nan")),
     ("temperature", float("inf")),
@@ -36,7 +37,29 @@ BAD_VALUES = [
     ("stop_token_ids", ["a"]),
     ("include_stop_str_in_output", 1),
     ("ignore_eos", "yes"),
-    ("logprobs", -1),
+    ("logprobs", -2),
+    ("logprobs", 1.5),
+    ("prompt_logprobs", -2),
+    ("prompt_logprobs", "3"),
+    ("presence_penalty", 2.5),
+    ("presence_penalty", "x"),
+    ("frequency_penalty", -2.01),
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.0),
+    ("repetition_penalty", float("inf")),
+    ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {3: float("nan")}),
+    ("logit_bias", {"a": 1.0}),
+    ("logit_bias", [1, 2]),
+    ("allowed_token_ids", []),
+    ("allowed_token_ids", [-1]),
+    ("allowed_token_ids", ["a"]),
+    ("bad_words", [""]),
+    ("bad_words", [3]),
+    ("truncate_prompt_tokens", 0),
+    ("truncate_prompt_tokens", -2),
+    ("logits_processors", ["not callable"]),
+    ("logits_processors", len),  # a callable, not a list of them
     ("skip_special_tokens", None),
     ("num_speculative_tokens", -1),
     ("num_speculative_tokens", 2.0),
@@ -77,9 +100,21 @@ def test_frozen():
 
 def test_accepted_edge_values():
     SamplingParams(top_k=-1, top_p=1.0, min_p=1.0, min_tokens=16, max_tokens=16, logprobs=0)
+    SamplingParams(n=4, logprobs=-1, prompt_logprobs=-1, truncate_prompt_tokens=-1, presence_penalty=-2,
+                   frequency_penalty=2, repetition_penalty=1e-3, logits_processors=[lambda ids, row: row])
     SamplingParams(num_speculative_tokens=0, seed=2**64 - 1)
     assert SamplingParams(stop=None, stop_token_ids=None).stop == []
     assert SamplingParams(seed=np.int64(3), stop_token_ids=np.array([5, 6])).stop_token_ids == [5, 6]
+
+
+def test_logit_bias_is_clipped_and_keys_normalized_as_openai_does():
+    p = SamplingParams(logit_bias={"5": 250, np.int64(7): -101.5, 9: 0.5})
+    assert p.logit_bias == {5: 100.0, 7: -100.0, 9: 0.5}
+    assert SamplingParams(bad_words="hello").bad_words == ["hello"]
+    assert SamplingParams(allowed_token_ids=np.array([3, 4])).allowed_token_ids == [3, 4]
+    assert SamplingParams(presence_penalty=1).presence_penalty == 1.0
+    assert not SamplingParams().needs_row_preparation
+    assert SamplingParams(repetition_penalty=1.1).needs_row_preparation
 
 
 FULL = SamplingParams(
@@ -97,6 +132,15 @@ FULL = SamplingParams(
     logprobs=5,
     skip_special_tokens=False,
     num_speculative_tokens=3,
+    n=3,
+    presence_penalty=0.5,
+    frequency_penalty=-0.5,
+    repetition_penalty=1.3,
+    logit_bias={5: -3.0, 11: 2.5},
+    allowed_token_ids=[1, 5, 11, 20],
+    bad_words=["foo bar", "baz"],
+    prompt_logprobs=2,
+    truncate_prompt_tokens=100,
 )
 
 

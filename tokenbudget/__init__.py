@@ -13,7 +13,7 @@ architecture.
 
 from tokenbudget.engine.api.config import EngineConfig
 from tokenbudget.engine.api.errors import EngineDeadError, EngineOverloadedError, RequestError
-from tokenbudget.engine.api.outputs import CompletionOutput, GenerateRequest, RequestMetrics, RequestOutput
+from tokenbudget.engine.api.outputs import CompletionOutput, GenerateRequest, Logprob, RequestMetrics, RequestOutput
 from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
 from tokenbudget.engine.core.stats import EngineStats
 
@@ -33,5 +33,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["AsyncLLM", "CompletionOutput", "EngineConfig", "EngineCore", "EngineDeadError",
-           "EngineOverloadedError", "EngineStats", "GenerateRequest", "LLM", "LLMEngine", "RequestError",
+           "EngineOverloadedError", "EngineStats", "GenerateRequest", "LLM", "LLMEngine", "Logprob", "RequestError",
            "RequestMetrics", "RequestOutput", "RequestOutputKind", "SamplingParams"]

@@ -85,7 +85,7 @@ class AsyncLLM:
             check_admission(self.engine.config, stats.num_waiting + n_transit,
                             stats.num_waiting_tokens + tokens_transit, request.num_prompt_tokens)
         self._transit = [n_transit + 1, tokens_transit + request.num_prompt_tokens]
-        stream = RequestStream(rid, kind, self.abort)
+        stream = RequestStream(rid, kind, self.abort, request.sampling_params.n)
         self._streams[rid] = stream
         with self._inbox_lock:
             self._pending_adds.append((request, text, arrival))

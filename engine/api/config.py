@@ -30,6 +30,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     speculative_config: dict[str, Any] | None = None
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
     seed: int = 0  # seeds the global RNG used by unseeded sampled requests
+    max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for (vLLM's); -1: no cap
     # CUDA only: capture decode/verify batches in CUDA graphs at start-up (needs FlashInfer and
     # triton). Off by default until it has been validated on a GPU (see benches/RESULTS.md).
     cuda_graphs: bool = False
@@ -50,6 +51,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
+        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no cap, got {self.max_logprobs!r}")
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold!r}")
         for name in ("cuda_graphs", "deterministic"):

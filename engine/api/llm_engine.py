@@ -73,7 +73,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, request = make_request(request_id, prompt, params, priority, self.tokenizer,
-                                     self.model_config.vocab_size)
+                                     self.model_config.vocab_size, max_model_len=self.max_model_len,
+                                     max_logprobs=self.config.max_logprobs)
         check_request_fits(request, self.scheduler.config, self.scheduler.kv.num_blocks)
         return text, request
 
@@ -81,7 +82,8 @@ class LLMEngine:
                     priority: int = 0) -> None:
         """Queue a request. Raises ValueError (changing nothing) for a bad prompt, bad params, a
         prompt longer than ``max_model_len`` or a duplicate ``request_id``; EngineOverloadedError
-        past ``max_queued_requests`` / ``max_queued_tokens``."""
+        past ``max_queued_requests`` / ``max_queued_tokens``. With ``n > 1`` the step outputs carry
+        ``request_id`` and completions with ``index`` 0..n-1."""
         text, request = self.make_request(request_id, prompt, sampling_params, priority)
         if self.config.admission_control:
             stats = self.core.get_stats()

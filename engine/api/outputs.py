@@ -5,6 +5,13 @@ What an output carries depends on the request's ``SamplingParams.output_kind``: 
 finishes (FINAL_ONLY). ``finish_reason``: "stop" (EOS, a stop token or a stop string), "length"
 (max_tokens or the model length), "abort", or "error" (the engine isolated a fault to this
 request; ``RequestOutput.error`` says what it was).
+
+Logprobs (vLLM's layout): ``CompletionOutput.logprobs`` has one ``{token_id: Logprob}`` dict per
+generated token: the sampled token first, then the ``SamplingParams.logprobs`` most likely tokens
+(k entries when the sampled token is among them, else k + 1). ``RequestOutput.prompt_logprobs``
+has one entry per prompt token, the first None (nothing predicts it). ``rank`` is 1-based: the
+number of tokens at least as likely as this one. With ``n > 1`` one ``RequestOutput`` carries the
+completions of several samples, told apart by ``CompletionOutput.index``.
 """
 
 from __future__ import annotations
@@ -12,6 +19,15 @@ from __future__ import annotations
 import msgspec
 
 from tokenbudget.engine.api.sampling_params import SamplingParams
+
+
+class Logprob(msgspec.Struct):
+    """One token's log-probability under the raw model distribution, its 1-based rank in that
+    distribution and its text (the token decoded alone, special tokens kept), as vLLM's."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
@@ -29,8 +45,8 @@ class CompletionOutput(msgspec.Struct, kw_only=True):
     text: str = ""
     token_ids: list[int] = []
     cumulative_logprob: float | None = None
-    # Per generated token: {token_id: logprob} for the sampled token and the top-n alternatives.
-    logprobs: list[dict[int, float]] | None = None
+    # Per generated token: {token_id: Logprob} for the sampled token and the top-k alternatives.
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
@@ -91,6 +107,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     request_id: str
     prompt: str | None = None
     prompt_token_ids: list[int] = []
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     outputs: list[CompletionOutput] = []
     finished: bool = False
     metrics: RequestMetrics | None = None

@@ -36,6 +36,10 @@ change state (``interrupts.deferred_sigint``).
 One fan-out, ``_release(request)``, frees what a finished or aborted request held anywhere
 outside the scheduler (proposer indexes, controller, output state); the scheduler frees its KV
 blocks when it finishes the request.
+
+A request with ``n > 1`` enters as n child requests (``engine.core.parallel_sampling``); each is
+scheduled, isolated on a fault and finished on its own, and their outputs are gathered into the
+parent's after the commit. Aborting the parent's id aborts every child still in flight.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from tokenbudget.engine.api.outputs import RequestOutput
 from tokenbudget.engine.core.interrupts import deferred_sigint
 from tokenbudget.engine.core.output_processor import OutputProcessor
 from tokenbudget.engine.core.stats import EngineStats, ThroughputMeter, collect_stats
+from tokenbudget.engine.core.parallel_sampling import ParentRequest
 from tokenbudget.scheduler.output import EngineCoreOutput, SchedulerOutput
 from tokenbudget.scheduler.request import Request, RequestStatus
 from tokenbudget.scheduler.scheduler import Scheduler
@@ -79,22 +84,48 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests (between steps)
     def add_request(self, request: Request, prompt: str | None = None, arrival_time: float | None = None) -> None:
-        """Queue a request; ValueError (changing nothing) for a bad one. ``arrival_time``
-        (``time.monotonic()``): when the caller accepted it; now by default."""
+        """Queue a request (its n children when ``n > 1``); ValueError (changing nothing) for a
+        bad one. ``arrival_time`` (``time.monotonic()``): when the caller accepted it; now by default."""
         self.raise_if_dead()
+        params = request.sampling_params
+        if params is None or params.n == 1:
+            self._add_one(request, prompt, arrival_time)
+            return
+        rid = request.request_id
+        if rid in self.outputs.parents or rid in self.scheduler.requests:
+            raise ValueError(f"duplicate request_id {rid!r}: a request with this id is still running")
+        parent = ParentRequest(request)
+        added: list[str] = []
+        try:
+            for index, child in enumerate(parent.make_children(request)):
+                self._add_one(child, prompt, arrival_time, parent, index)
+                added.append(child.request_id)
+        except BaseException:
+            for child_id in added:
+                self._release(self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED))
+            self.outputs.drop_parent(rid)
+            raise
+
+    def _add_one(self, request: Request, prompt: str | None, arrival_time: float | None = None,
+                 parent: ParentRequest | None = None, index: int = 0) -> None:
         self.scheduler.add_request(request)
         try:
-            self.outputs.add_request(request, prompt, arrival_time)
+            self.outputs.add_request(request, prompt, arrival_time, parent, index)
         except BaseException:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
             raise
         self.num_prompt_tokens += request.num_prompt_tokens
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Abort a running or waiting request; its final output (``finish_reason="abort"``), or
-        None for an id that is not in flight."""
-        request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-        return None if request is None else self._finish(request)
+        """Abort a running or waiting request (a parent: all its children in flight); its final
+        output (``finish_reason="abort"``), or None for an id that is not in flight."""
+        finals = []
+        for rid in self.outputs.child_ids(request_id) or [request_id]:
+            request = self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            if request is not None:
+                finals.append(self._final_output(request))
+        outputs = self.outputs.gather([o for o in finals if o is not None])
+        return outputs[-1] if outputs else None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -151,10 +182,11 @@ class EngineCore:
                 scheduler.rollback_step(dirty)
             raise
         with deferred_sigint():
-            self._commit(sched, plan)
-        return step_outputs
+            return self._commit(sched, plan, step_outputs)
 
-    def _commit(self, sched: SchedulerOutput, plan: list[EngineCoreOutput]) -> None:
+    def _commit(self, sched: SchedulerOutput, plan: list[EngineCoreOutput],
+                step_outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Commit the step; its outputs with children's gathered into their parents'."""
         try:
             finished = self.scheduler.apply_update(sched, plan)
             self.outputs.commit()
@@ -166,6 +198,7 @@ class EngineCore:
                                    len(sched.scheduled))
             for request in finished:
                 self._release(request)
+            return self.outputs.gather(step_outputs)
         except BaseException as exc:  # a bug: the state may be half committed
             self._die(exc)
 
@@ -216,10 +249,8 @@ class EngineCore:
         self.failed_steps_in_a_row = 0 if self._progress else self.failed_steps_in_a_row + 1
         if self.failed_steps_in_a_row >= self.max_failed_steps:
             self._die(last_fault if not failed_alone else failed_alone[-1][1])
-        for request_id, fault in failed_alone:
-            out = self._fail_request(request_id, fault)
-            if out is not None:
-                outputs.append(out)
+        finals = [self._fail_request(request_id, fault) for request_id, fault in failed_alone]
+        outputs.extend(self.outputs.gather([out for out in finals if out is not None]))
         return outputs
 
     def _isolate(self, group: list[str], fault: Exception, outputs: list[RequestOutput],
@@ -241,13 +272,14 @@ class EngineCore:
                 self._isolate(part, part_fault, outputs, failed_alone)
 
     def _fail_request(self, request_id: str, fault: Exception) -> RequestOutput | None:
+        """End a request that fails alone; its final output (a child's, not yet gathered)."""
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
         if request is None:
             return None
         self.num_errored_requests += 1
         logger.warning("tokenbudget: request %r failed alone and was ended: %s: %s", request_id,
                        type(fault).__name__, fault)
-        return self._finish(request, f"{type(fault).__name__}: {fault}")
+        return self._final_output(request, f"{type(fault).__name__}: {fault}")
 
     def _die(self, fault: BaseException, failed_alone: list[str] | None = None) -> None:
         dead = EngineDeadError(f"the engine stopped serving after {type(fault).__name__}: {fault}",
@@ -268,8 +300,8 @@ class EngineCore:
             raise EngineDeadError(str(self.dead), self.dead.failed_alone) from self.dead.__cause__
 
     # ------------------------------------------------------------------ the one fan-out
-    def _finish(self, request: Request, error: str | None = None) -> RequestOutput | None:
-        """Final output of a request ended between steps, then release it."""
+    def _final_output(self, request: Request, error: str | None = None) -> RequestOutput | None:
+        """Final output of a request ended between steps (not yet gathered), then release it."""
         out = self.outputs.final_output(request, error)
         self._release(request)
         return out

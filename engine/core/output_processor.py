@@ -18,6 +18,14 @@ the complete text.
 Timestamps (``RequestMetrics``): arrival comes from ``add_request``, first scheduled is the start
 of the first step that ran the request (``prepare(plan, step_start)``), token times are taken when
 ``prepare`` sees the tokens; a rolled-back step restores them with the rest of the state.
+
+As in vLLM, a request stopped by EOS or a stop token keeps that token in its
+token ids but not in its text, unless ``include_stop_str_in_output``.
+
+Logprobs become vLLM's ``{token_id: Logprob(logprob, rank, decoded_token)}`` dicts (the token
+decoded alone, special tokens kept); prompt logprobs arrive chunk by chunk and ride on the
+request's first output (every output for CUMULATIVE). ``n > 1``: children's outputs are gathered
+into their parent's (``engine.core.parallel_sampling``) by ``gather``, after the step commits.
 """
 
 from __future__ import annotations
@@ -25,8 +33,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from tokenbudget.engine.api.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenbudget.engine.api.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
+from tokenbudget.engine.core.parallel_sampling import ParentRequest
 from tokenbudget.engine.text.detokenizer import IncrementalDetokenizer
 from tokenbudget.engine.text.tokenizer import Tokenizer
 from tokenbudget.scheduler.output import EngineCoreOutput
@@ -43,9 +52,12 @@ class RequestState:
     params: SamplingParams
     detok: IncrementalDetokenizer | None  # None without a tokenizer: token ids only
     detok_each_step: bool  # False: FINAL_ONLY without stop strings decodes once, at the end
+    index: int = 0  # CompletionOutput.index (the child's number when n > 1)
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False  # DELTA: already in an output
     num_sent: int = 0  # tokens (and logprobs) already in a DELTA output
     streamed_text: str = ""  # CUMULATIVE: the text shown so far
     num_draft_steps: int = 0
@@ -59,18 +71,21 @@ class RequestState:
 
     def snapshot(self) -> tuple:
         return (len(self.token_ids), len(self.logprobs) if self.logprobs is not None else 0,
+                len(self.prompt_logprobs) if self.prompt_logprobs is not None else 0, self.prompt_logprobs_sent,
                 self.cumulative_logprob, self.num_sent, self.streamed_text, self.num_draft_steps,
                 self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_pos),
                 self.first_token_time, self.last_token_time,
                 self.detok.snapshot() if self.detok is not None else None)
 
     def restore(self, saved: tuple) -> None:
-        (n, n_lp, self.cumulative_logprob, self.num_sent, self.streamed_text, self.num_draft_steps,
-         self.num_draft_tokens, self.num_accepted_tokens, self.accepted_per_pos, self.first_token_time,
-         self.last_token_time, detok) = saved
+        (n, n_lp, n_plp, self.prompt_logprobs_sent, self.cumulative_logprob, self.num_sent, self.streamed_text,
+         self.num_draft_steps, self.num_draft_tokens, self.num_accepted_tokens, self.accepted_per_pos,
+         self.first_token_time, self.last_token_time, detok) = saved
         del self.token_ids[n:]
         if self.logprobs is not None:
             del self.logprobs[n_lp:]
+        if self.prompt_logprobs is not None:
+            del self.prompt_logprobs[n_plp:]
         if detok is not None:
             self.detok.restore(detok)
 
@@ -81,8 +96,11 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
         self._saved: list[tuple[RequestState, tuple]] = []  # this step's states, as they were
         self._first_scheduled: list[RequestState] = []  # first scheduled in this step
+        self.parents: dict[str, ParentRequest] = {}
+        self._parent_of: dict[str, tuple[ParentRequest, int]] = {}  # child id -> (parent, index)
 
-    def add_request(self, request: Request, prompt: str | None = None, arrival_time: float | None = None) -> None:
+    def add_request(self, request: Request, prompt: str | None = None, arrival_time: float | None = None,
+                    parent: ParentRequest | None = None, index: int = 0) -> None:
         params = request.sampling_params or _DEFAULT_PARAMS
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
@@ -90,14 +108,24 @@ class OutputProcessor:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
         state = RequestState(request, prompt, params, detok,
-                             bool(params.stop) or params.output_kind != FINAL_ONLY,
+                             bool(params.stop) or params.output_kind != FINAL_ONLY, index,
                              arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         if params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
         self.states[request.request_id] = state
+        if parent is not None:
+            self.parents[parent.request_id] = parent
+            self._parent_of[request.request_id] = (parent, index)
 
     def has(self, request_id: str) -> bool:
         return request_id in self.states
+
+    def child_ids(self, request_id: str) -> list[str] | None:
+        """The children of a parent request in flight, or None for any other id."""
+        parent = self.parents.get(request_id)
+        return None if parent is None else list(parent.child_ids)
 
     # ---- the step
     def prepare(self, plan: list[EngineCoreOutput], step_start: float | None = None) -> list[RequestOutput]:
@@ -110,10 +138,14 @@ class OutputProcessor:
             if state.first_scheduled_time is None:
                 state.first_scheduled_time = now if step_start is None else step_start
                 self._first_scheduled.append(state)
-            if not entry.new_token_ids:
+            if not entry.new_token_ids and not entry.new_prompt_logprobs:
                 continue
             saved = state.snapshot()
             self._saved.append((state, saved))
+            if entry.new_prompt_logprobs:
+                self._add_prompt_logprobs(state, *entry.new_prompt_logprobs)
+            if not entry.new_token_ids:
+                continue
             if state.first_token_time is None:
                 state.first_token_time = now
             state.last_token_time = now
@@ -147,9 +179,60 @@ class OutputProcessor:
     def on_finished(self, request: Request) -> None:
         self.states.pop(request.request_id, None)
 
+    def drop_parent(self, request_id: str) -> None:
+        """Forget a parent whose children were not all added (``EngineCore.add_request``)."""
+        parent = self.parents.pop(request_id, None)
+        if parent is not None:
+            for child_id in parent.child_ids:
+                self._parent_of.pop(child_id, None)
+
+    def gather(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Children's outputs replaced by their parents' (one per parent, after the others).
+        Runs after the step committed: it only moves finished data around."""
+        result: list[RequestOutput] = []
+        touched: dict[str, ParentRequest] = {}
+        for out in outputs:
+            link = self._parent_of.get(out.request_id)
+            if link is None:
+                result.append(out)
+                continue
+            parent, index = link
+            parent.add(index, out)
+            touched[parent.request_id] = parent
+        for parent in touched.values():
+            merged = parent.flush()
+            if merged is not None:
+                result.append(merged)
+            if parent.finished:
+                self.drop_parent(parent.request_id)
+        return result
+
     # ---- internals
-    @staticmethod
-    def _add_tokens(state: RequestState, entry: EngineCoreOutput) -> None:
+    def _logprob_dict(self, token: int, lp) -> dict[int, Logprob]:
+        """vLLM's entry: the token first, then the top k with their ranks 1..k."""
+        decode = self._decode_one
+        item = {token: Logprob(float(lp.logprob), int(lp.rank), decode(token))}
+        for rank, (t, v) in enumerate(lp.top, 1):
+            item[int(t)] = Logprob(float(v), rank, decode(int(t)))
+        return item
+
+    def _decode_one(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def _add_prompt_logprobs(self, state: RequestState, first: int, entries: list) -> None:
+        """Entries for prompt tokens ``first, first + 1, ...``; ones already held (a recompute
+        after preemption) are skipped."""
+        have = state.prompt_logprobs
+        if have is None:
+            return
+        skip = len(have) - first
+        if skip < 0:
+            raise RuntimeError(f"{state.request.request_id}: prompt logprobs from token {first}, {len(have)} held")
+        prompt = state.request.prompt_token_ids
+        for i, lp in enumerate(entries[skip:], first + skip):
+            have.append(self._logprob_dict(prompt[i], lp))
+
+    def _add_tokens(self, state: RequestState, entry: EngineCoreOutput) -> None:
         state.token_ids.extend(entry.new_token_ids)
         if entry.num_draft_tokens:
             state.num_draft_steps += 1
@@ -162,12 +245,13 @@ class OutputProcessor:
                 per_pos[j] += 1
         if state.logprobs is not None and entry.new_logprobs:
             for token, lp in zip(entry.new_token_ids, entry.new_logprobs):
-                item = {token: float(lp.logprob)}
-                item.update({int(t): float(v) for t, v in lp.top if t != token})
-                state.logprobs.append(item)
+                state.logprobs.append(self._logprob_dict(token, lp))
                 state.cumulative_logprob += float(lp.logprob)
         if state.detok_each_step and state.detok is not None:
-            state.detok.add_tokens(entry.new_token_ids)
+            text_ids = entry.new_token_ids
+            if _text_drops_stop_token(state.params, entry.finish_status, entry.stop_reason):
+                text_ids = text_ids[:-1]
+            state.detok.add_tokens(text_ids)
 
     @staticmethod
     def _check_stop_strings(state: RequestState, entry: EngineCoreOutput, detok_before: tuple) -> None:
@@ -206,7 +290,8 @@ class OutputProcessor:
             return None
         detok = state.detok
         if finished and detok is not None and not state.detok_each_step:
-            detok.add_tokens(state.token_ids)
+            drop = _text_drops_stop_token(state.params, status, stop_reason)
+            detok.add_tokens(state.token_ids[:-1] if drop else state.token_ids)
         text = ""
         if detok is not None:
             delta = detok.stream_delta(finished=finished, stop=state.params.stop)
@@ -226,8 +311,15 @@ class OutputProcessor:
             logprobs = list(state.logprobs) if state.logprobs is not None else None
         request = state.request
         finish_reason = FINISH_REASONS.get(status) if finished else None
-        completion = CompletionOutput(text=text, token_ids=token_ids, cumulative_logprob=state.cumulative_logprob,
-                                      logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
+        completion = CompletionOutput(index=state.index, text=text, token_ids=token_ids,
+                                      cumulative_logprob=state.cumulative_logprob, logprobs=logprobs,
+                                      finish_reason=finish_reason, stop_reason=stop_reason)
+        prompt_logprobs = state.prompt_logprobs
+        if prompt_logprobs is not None:
+            if kind == DELTA and state.prompt_logprobs_sent:
+                prompt_logprobs = None
+            else:
+                state.prompt_logprobs_sent, prompt_logprobs = True, list(prompt_logprobs)
         metrics = RequestMetrics(
             num_prompt_tokens=len(request.prompt_token_ids), num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions, num_draft_steps=state.num_draft_steps,
@@ -237,5 +329,12 @@ class OutputProcessor:
             first_token_time=state.first_token_time, last_token_time=state.last_token_time,
             finished_time=time.monotonic() if finished else None)
         return RequestOutput(request_id=request.request_id, prompt=state.prompt,
-                             prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=finished,
-                             metrics=metrics, error=error)
+                             prompt_token_ids=request.prompt_token_ids, prompt_logprobs=prompt_logprobs,
+                             outputs=[completion], finished=finished, metrics=metrics, error=error)
+
+
+def _text_drops_stop_token(params: SamplingParams, status: RequestStatus | None, stop_reason) -> bool:
+    """vLLM: the EOS / stop token that ended a request is not part of its text (unless
+    ``include_stop_str_in_output``); a stop string is handled by the detokenizer."""
+    return (status == RequestStatus.FINISHED_STOPPED and not isinstance(stop_reason, str)
+            and not params.include_stop_str_in_output)

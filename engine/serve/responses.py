@@ -9,7 +9,7 @@ Shapes follow what the official ``openai`` client parses: ``text_completion`` /
 
 from __future__ import annotations
 
-from tokenbudget.engine.api.outputs import RequestMetrics, RequestOutput
+from tokenbudget.engine.api.outputs import Logprob, RequestMetrics, RequestOutput
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -38,11 +38,11 @@ class TokenText:
         return text
 
 
-def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
-    return sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
+def _top(entry: dict[int, Logprob], n: int) -> list[tuple[int, float]]:
+    return sorted(((t, lp.logprob) for t, lp in entry.items()), key=lambda kv: (-kv[1], kv[0]))[:n]
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float]] | None, n: int, text: TokenText,
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]] | None, n: int, text: TokenText,
                         offset: int = 0) -> dict | None:
     """Completions-API logprobs; ``offset`` is the text offset of the first token."""
     if logprobs is None:
@@ -51,14 +51,14 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float]] |
     for tid, entry in zip(token_ids, logprobs):
         s = text(tid)
         tokens.append(s)
-        token_lps.append(entry[tid])
+        token_lps.append(entry[tid].logprob)
         tops.append({text(t): lp for t, lp in _top(entry, n)} if n else None)
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]] | None, n: int,
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]] | None, n: int,
                   text: TokenText) -> dict | None:
     if logprobs is None:
         return None
@@ -67,7 +67,7 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]] | None,
         s = text(tid)
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
 
-    return {"content": [dict(item(tid, entry[tid]), top_logprobs=[item(t, lp) for t, lp in _top(entry, n)])
+    return {"content": [dict(item(tid, entry[tid].logprob), top_logprobs=[item(t, lp) for t, lp in _top(entry, n)])
                         for tid, entry in zip(token_ids, logprobs)]}
 
 

@@ -1,13 +1,28 @@
 """Row preparation: from a verify/decode row's raw logits to the distribution p it samples from.
 
 One place for every transformation of logits before sampling, applied per row of the step's
-sampling rows (a (1 + k)-row verify has one row per draft position plus the bonus row):
+sampling rows (a (1 + k)-row verify has one row per draft position plus the bonus row).
 
-* ``apply_row_bans``: tokens a request may not produce at that row (``min_tokens``: EOS and stop
-  ids while the output is still short; row j of a verify predicts output number
-  ``num_output_tokens + j``). Masking p, not just ignoring a sampled EOS, keeps verification
-  exact: a draft is judged against the distribution plain decoding samples from.
-* ``compute_target_probs``: temperature -> min-p -> top-k -> top-p -> softmax (vLLM V1's order).
+**Every row is prepared with its own prefix.** Row j of request i predicts the token after
+``prompt + output + drafts[:j]``, so everything that looks at the context sees exactly that: the
+penalties count those tokens, bad words and logits processors see them, ``min_tokens`` counts
+``num_output_tokens + j`` outputs. Row j is then the distribution plain decoding would sample
+from after committing ``drafts[:j]``, which is what makes verification against it exact (greedy:
+the same tokens; random: the same distribution, ``engine.worker.sampler``). A draft that the
+prepared row forbids has p = 0 and is rejected like any other.
+
+``prepare_logits`` (before temperature; in vLLM V1's order):
+
+1. ``allowed_token_ids``: every other token -> -inf;
+2. ``bad_words``: a word's last token -> -inf when the row's output context (committed output +
+   drafts[:j], not the prompt, as vLLM) ends with the word's other tokens;
+3. ``min_tokens``: EOS and stop ids -> -inf while fewer than ``min_tokens`` outputs precede the row;
+4. ``logit_bias``: added;
+5. ``logits_processors``: the user's callables, in order, on the row with that row's token ids;
+6. presence / frequency / repetition penalties (``engine.worker.penalties``, vectorized).
+
+Greedy is the argmax of the prepared logits. ``compute_target_probs`` then applies temperature ->
+min-p -> top-k -> top-p -> softmax (vLLM V1's order):
   - min-p keeps tokens with ``p >= min_p * max(p)``, p = softmax(logits / temperature);
   - top-k keeps tokens whose logit is >= the k-th largest (ties at the boundary all kept);
   - top-p keeps the smallest set of most likely tokens whose mass reaches top_p: a token is kept
@@ -16,23 +31,99 @@ sampling rows (a (1 + k)-row verify has one row per draft position plus the bonu
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.engine.worker.penalties import apply_penalties
 
 
-def apply_row_bans(logits: torch.Tensor, rows) -> None:
-    """In place: ``-inf`` at each request's banned ids for the rows before ``min_tokens``.
+def prepare_logits(logits: torch.Tensor, rows) -> torch.Tensor:
+    """The prepared logits ([T, V] float32) of a step's sampling rows; ``logits`` itself is never
+    written (the raw rows give the logprobs), and is returned as is when no row needs anything.
 
-    ``rows``: per sampling request, ``(first_row, num_rows, scheduled_request)``."""
-    vocab = logits.shape[-1]
-    for first, m, sr in rows:
-        if not sr.banned_token_ids or sr.params is None:
+    ``rows``: ``SamplingRow``s (``engine.worker.sampler``), request i owning ``1 + num_drafts``
+    consecutive rows."""
+    out: torch.Tensor | None = None
+    penalized = []
+    first = 0
+    for r in rows:
+        m = r.num_drafts + 1
+        start, first = first, first + m
+        params = r.params
+        if params is None or not (params.needs_row_preparation or _bans_apply(r)):
             continue
-        remaining = sr.params.min_tokens - sr.num_output_tokens
-        ids = [t for t in sr.banned_token_ids if 0 <= t < vocab]
-        if remaining > 0 and ids:
-            logits[first:first + min(remaining, m), ids] = float("-inf")
+        if out is None:
+            out = logits.to(torch.float32, copy=True)
+        block = out[start:start + m]
+        if params.allowed_token_ids:
+            keep = torch.zeros(block.shape[1], dtype=torch.bool, device=block.device)
+            keep[torch.tensor(params.allowed_token_ids, device=block.device)] = True
+            block.masked_fill_(~keep, float("-inf"))
+        if r.bad_words_token_ids:
+            _ban_bad_words(block, r)
+        if _bans_apply(r):
+            ids = [t for t in r.banned_token_ids if 0 <= t < block.shape[1]]
+            block[:min(params.min_tokens - r.num_output_tokens, m), ids] = float("-inf")
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias), device=block.device)
+            block[:, ids] += torch.tensor(list(params.logit_bias.values()), dtype=block.dtype, device=block.device)
+        if params.logits_processors:
+            _call_processors(block, r)
+        if params.has_penalties:
+            penalized.append((start, m, params, r.prompt_token_ids, r.output_token_ids, r.draft_token_ids or ()))
+    if penalized:
+        apply_penalties(out, penalized)
+    return logits if out is None else out
+
+
+def _bans_apply(r) -> bool:
+    return bool(r.banned_token_ids) and r.params.min_tokens > r.num_output_tokens
+
+
+def _row_context(r, j: int, tail: int | None = None) -> tuple[int, ...]:
+    """Output token ids seen by row j (committed output + drafts[:j]); only the last ``tail``."""
+    drafts = tuple(r.draft_token_ids[:j]) if j else ()
+    out = r.output_token_ids
+    if tail is not None:
+        keep = max(tail - len(drafts), 0)
+        out = out[len(out) - keep:] if keep else ()
+    return tuple(out) + drafts
+
+
+def _ban_bad_words(block: torch.Tensor, r) -> None:
+    """A word's last token is banned where the context ends with the rest of the word."""
+    words = r.bad_words_token_ids
+    longest = max(len(w) for w in words) - 1
+    for j in range(block.shape[0]):
+        ctx = _row_context(r, j, longest)
+        banned = [w[-1] for w in words if len(w) - 1 <= len(ctx) and ctx[len(ctx) - (len(w) - 1):] == w[:-1]]
+        if banned:
+            block[j, banned] = float("-inf")
+
+
+def _call_processors(block: torch.Tensor, r) -> None:
+    """vLLM's per-request processors: ``f(output_ids, logits)`` or ``f(prompt_ids, output_ids,
+    logits)``, each returning the row; called once per row with that row's own output ids."""
+    prompt = tuple(r.prompt_token_ids)
+    for j in range(block.shape[0]):
+        ctx = _row_context(r, j)
+        row = block[j]
+        for fn in r.params.logits_processors:
+            row = fn(prompt, ctx, row) if _num_params(fn) == 3 else fn(ctx, row)
+            if not isinstance(row, torch.Tensor) or row.shape != block[j].shape:
+                raise ValueError(f"logits_processors: {fn!r} must return the logits row, a tensor of shape "
+                                 f"{tuple(block[j].shape)}")
+        if row.data_ptr() != block[j].data_ptr():
+            block[j] = row
+
+
+def _num_params(fn) -> int:
+    try:
+        return len(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # builtins without a signature: the two-argument form
+        return 2
 
 
 def apply_sampling_params(

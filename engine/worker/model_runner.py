@@ -5,9 +5,10 @@ Prefill chunks, 1-token decodes and (1 + k)-token verifies share the batch. A re
 a partial prefill chunk samples nothing (empty list in the output).
 
 Stateless across steps: everything a request's sampling needs (parameters, seed, output count,
-banned tokens, drafts and their probabilities) comes in its ``ScheduledRequest``, and its random
-numbers are keyed by (seed, position) (``keyed_random``). So a failed step leaves nothing to
-undo here and a finished request leaves nothing to free.
+banned tokens, drafts and their probabilities, the committed token ids its row preparation reads)
+comes in its ``ScheduledRequest``, and its random numbers are keyed by (seed, position)
+(``keyed_random``). So a failed step leaves nothing to undo here and a finished request leaves
+nothing to free. Prompt logprobs come from the same forward (``prompt_logprobs``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.worker.input_batch import InputBatch, prepare_inputs
-from tokenbudget.engine.worker.logits_processing import apply_row_bans
+from tokenbudget.engine.worker.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
 from tokenbudget.engine.worker.sampler import SamplingRow
 from tokenbudget.kernels.attention.base import (
     AttentionBackend,
@@ -66,11 +67,15 @@ class ModelRunner:
 
     def compute_logits(self, sched: SchedulerOutput) -> tuple[torch.Tensor, InputBatch]:
         """Forward + logits at the sampling rows (``[S, V]`` fp32); no sampling."""
+        logits, batch, _ = self._forward(sched)
+        return logits, batch
+
+    def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, InputBatch, torch.Tensor]:
         batch = self._prepare(sched)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches)
         if batch.sample_indices.numel() == 0:
-            return hidden.new_zeros((0, self.config.vocab_size), dtype=torch.float32), batch
-        return self.model.compute_logits(hidden[batch.sample_indices]), batch
+            return hidden.new_zeros((0, self.config.vocab_size), dtype=torch.float32), batch, hidden
+        return self.model.compute_logits(hidden[batch.sample_indices]), batch, hidden
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -78,11 +83,14 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput(req_ids, [])
         start = time.perf_counter()
-        logits, batch = self.compute_logits(sched)
+        logits, batch, hidden = self._forward(sched)
+        prompt_logprobs = None
+        if wants_prompt_logprobs(sched):
+            prompt_logprobs = compute_prompt_logprobs(self.model, hidden, sched, batch.qo_indptr)
+        del hidden
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[list] | None = None
-        rows, owners, bans = self._sampling_rows(sched, batch.num_samples)
-        apply_row_bans(logits, bans)
+        rows, owners = self._sampling_rows(sched, batch.num_samples)
         if rows:
             out = self.sampler(logits, rows)
             for i, toks in zip(owners, out.token_ids):
@@ -94,21 +102,32 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.last_step = (sched.total_num_scheduled_tokens, time.perf_counter() - start)
-        return ModelRunnerOutput(req_ids, sampled, logprobs)
+        return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
 
     @staticmethod
     def _sampling_rows(sched: SchedulerOutput, num_samples: list[int]):
-        """Per sampling request: its ``SamplingRow``, its index in the batch, its row span."""
-        rows, owners, bans = [], [], []
-        first = 0
+        """Per sampling request: its ``SamplingRow`` and its index in the batch."""
+        rows, owners = [], []
         for i, (sr, m) in enumerate(zip(sched.scheduled, num_samples)):
             if not m:
                 continue
             k = m - 1
             position = sr.num_computed_tokens + len(sr.token_ids) - k
-            rows.append(SamplingRow(sr.params, sr.seed, position, sr.spec_token_ids,
-                                    sr.spec_probs if k else None))
+            prompt, output = _context(sr, position)
+            rows.append(SamplingRow(sr.params, sr.seed, position, sr.spec_token_ids, sr.spec_probs if k else None,
+                                    sr.num_output_tokens, sr.banned_token_ids, prompt, output,
+                                    sr.bad_words_token_ids))
             owners.append(i)
-            bans.append((first, m, sr))
-            first += m
-        return rows, owners, bans
+        return rows, owners
+
+
+def _context(sr, num_committed: int) -> tuple[list[int], list[int]]:
+    """The committed prompt and output ids, sliced only when the request's row preparation reads
+    them (penalties, bad words, logits processors)."""
+    params, ids = sr.params, sr.all_token_ids
+    if params is None or ids is None or not (params.has_penalties or params.logits_processors
+                                             or sr.bad_words_token_ids):
+        return [], []
+    p = sr.num_prompt_tokens
+    needs_prompt = params.repetition_penalty != 1.0 or params.logits_processors
+    return (ids[:p] if needs_prompt else []), ids[p:num_committed]

@@ -1,15 +1,16 @@
 """The sampler: one entry point for plain decoding and for draft verification.
 
-Plain sampling is verification with zero drafts. ``Sampler.__call__`` takes the target logits of
-every row that needs sampling this step (already through ``logits_processing.apply_row_bans``)
-and one ``SamplingRow`` per request, and returns per request its accepted drafts plus one new
+Plain sampling is verification with zero drafts. ``Sampler.__call__`` takes the raw target
+logits of every row that needs sampling this step and one ``SamplingRow`` per request (with the
+token ids its rows' preparation needs), prepares every row with its own prefix
+(``logits_processing.prepare_logits``) and returns per request its accepted drafts plus one new
 token. ``spec.rejection_sampler.rejection_sample_reference`` (with a Triton twin on CUDA) applies
 the verification rule.
 
 Three kinds of request, each lossless (the output distribution is the target's):
 
-* greedy (``params.is_greedy`` or no params): the target token of a row is the argmax of the raw
-  logits (ties: lowest id); drafts are accepted while they equal it.
+* greedy (``params.is_greedy`` or no params): the target token of a row is the argmax of its
+  prepared logits (ties: lowest id); drafts are accepted while they equal it.
 * random, *coupled* (a user seed, or drafts without drafter probabilities, i.e. n-gram/suffix or
   plain decoding): the target token of row j is drawn by the exponential race
   ``argmax p_j / E_j`` with noise ``E_j`` keyed by (seed, position of the token, TARGET)
@@ -24,14 +25,16 @@ Three kinds of request, each lossless (the output distribution is the target's):
   (sum_x min(p, q) instead of the chance that two races agree). ``u_j`` are keyed by
   (seed, position, ACCEPT) and the recovered/bonus noise by (seed, first position, RESIDUAL).
 
-p is the processed distribution (``logits_processing.compute_target_probs``: temperature, min-p,
-top-k, top-p). Logprobs (when ``params.logprobs`` is not None) are those of the raw distribution
-``log_softmax(logits)`` of the row that predicted each emitted token, as vLLM returns by default.
+p is the processed distribution: the prepared row (bans, bias, processors, penalties) through
+``logits_processing.compute_target_probs`` (temperature, min-p, top-k, top-p). Logprobs (when
+``params.logprobs`` is not None) are those of the raw distribution ``log_softmax(logits)`` of the
+row that predicted each emitted token, as vLLM returns by default, with the token's rank.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -45,7 +48,7 @@ from tokenbudget.engine.worker.keyed_random import (
     keyed_uniform,
     race_argmax,
 )
-from tokenbudget.engine.worker.logits_processing import compute_target_probs
+from tokenbudget.engine.worker.logits_processing import compute_target_probs, prepare_logits
 from tokenbudget.kernels.rejection_triton import rejection_sample  # Triton on CUDA, torch reference elsewhere
 from tokenbudget.spec.rejection_sampler import PLACEHOLDER_TOKEN_ID
 
@@ -60,6 +63,12 @@ class SamplingRow:
     its first row predicts (row j predicts ``position + j``). ``draft_token_ids``: its k drafts
     (possibly none). ``draft_probs``: ``[k, V]`` drafter probabilities q, or None for a drafter
     without probabilities.
+
+    Row preparation context (``logits_processing``): ``num_output_tokens`` outputs are committed
+    (``min_tokens`` bans ``banned_token_ids`` while short of it); ``prompt_token_ids`` and
+    ``output_token_ids`` are the committed tokens, given when the request's parameters look at
+    them (penalties, bad words, logits processors), else empty; ``bad_words_token_ids`` are the
+    token sequences of ``params.bad_words``.
     """
 
     params: SamplingParams | None
@@ -67,6 +76,11 @@ class SamplingRow:
     position: int = 0
     draft_token_ids: list[int] | None = None
     draft_probs: torch.Tensor | None = None
+    num_output_tokens: int = 0
+    banned_token_ids: tuple[int, ...] = ()
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_drafts(self) -> int:
@@ -84,9 +98,11 @@ class SamplingRow:
 
 
 class TokenLogprob(NamedTuple):
-    """Logprob of one emitted token and the ``params.logprobs`` most likely (id, logprob) pairs."""
+    """Logprob of one token, its 1-based rank (tokens at least as likely, itself included) and the
+    ``k`` most likely (id, logprob) pairs of the same row, most likely first."""
 
     logprob: float
+    rank: int
     top: list[tuple[int, float]]
 
 
@@ -121,6 +137,7 @@ class Sampler:
         drafts = torch.tensor([t for r in rows for t in (r.draft_token_ids or ())], dtype=torch.int64, device=dev)
         if drafts.numel() and (int(drafts.min()) < 0 or int(drafts.max()) >= vocab):
             raise ValueError(f"draft_token_ids must lie in [0, {vocab})")
+        raw, logits = logits, prepare_logits(logits, rows)
         target = logits.argmax(dim=-1)
         rejection = [r.uses_rejection for r in rows]
         target_probs = draft_probs = noise = None
@@ -140,7 +157,7 @@ class Sampler:
         out = rejection_sample(target_probs, target, drafts, torch.tensor(num_drafts, dtype=torch.int64, device=dev),
                                draft_probs, is_greedy, uniforms, noise)
         token_ids = [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in out.tolist()]
-        return SamplerOutput(token_ids=token_ids, logprobs=_logprobs(logits, rows, starts, token_ids))
+        return SamplerOutput(token_ids=token_ids, logprobs=_logprobs(raw, rows, starts, token_ids))
 
 
 def _row_starts(num_drafts: list[int]) -> list[int]:
@@ -220,14 +237,18 @@ def _logprobs(logits: torch.Tensor, rows: list[SamplingRow], starts: list[int],
         return None
     result: list[list[TokenLogprob] | None] = []
     for r, start, toks in zip(rows, starts, token_ids):
-        n = None if r.params is None else r.params.logprobs
-        if n is None:
-            result.append(None)
-            continue
-        lp = logits[start: start + len(toks)].to(torch.float32).log_softmax(dim=-1)
-        chosen = lp.gather(1, torch.tensor(toks, device=lp.device)[:, None])[:, 0].tolist()
-        n = min(n, lp.shape[1])
-        top_v, top_i = lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long())
-        result.append([TokenLogprob(c, list(zip(ti, tv)))
-                       for c, ti, tv in zip(chosen, top_i.tolist(), top_v.tolist())])
+        k = None if r.params is None else r.params.logprobs
+        result.append(None if k is None else token_logprobs(logits[start: start + len(toks)], toks, k))
     return result
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
+    """Per row of raw ``logits`` ([N, V]): the logprob and rank of ``token_ids[i]`` and the top
+    ``k`` (``-1``: the whole vocabulary) of the row's log_softmax."""
+    lp = logits.to(torch.float32).log_softmax(dim=-1)
+    chosen = lp.gather(1, torch.tensor(token_ids, device=lp.device)[:, None])
+    ranks = (lp >= chosen).sum(dim=-1).tolist()
+    k = lp.shape[1] if k == -1 else min(k, lp.shape[1])
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    return [TokenLogprob(c, rank, list(zip(ti, tv)))
+            for c, rank, ti, tv in zip(chosen[:, 0].tolist(), ranks, top_i.tolist(), top_v.tolist())]
