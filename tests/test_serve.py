@@ -79,6 +79,23 @@ def test_greedy_equals_offline_with_speculation(reference):
         wait_idle(spec_llm)
 
 
+def test_penalties_and_logit_bias_equal_offline(client, llm):
+    """OpenAI's presence/frequency penalties, logit_bias (string token ids) and vLLM's
+    repetition_penalty reach SamplingParams: greedy text equals LLM.generate with the same."""
+    bias = {"28": -100.0, "30": 5.0}
+    offline = LLM(default_target(), **ENGINE_OPTS)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, presence_penalty=1.5,
+                            frequency_penalty=0.5, repetition_penalty=1.3, logit_bias={int(k): v for k, v in bias.items()})
+    want = offline.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].text
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                  presence_penalty=1.5, frequency_penalty=0.5, logit_bias=bias,
+                                  extra_body=dict(ignore_eos=True, repetition_penalty=1.3))
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                      extra_body=dict(ignore_eos=True))
+    assert r.choices[0].text == want != plain.choices[0].text
+    wait_idle(llm)
+
+
 def test_completion_usage_and_logprobs(client, llm):
     prompt = PROMPTS[0]
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=3)
@@ -130,7 +147,9 @@ def test_completion_stream_raw_sse(url):
     ({"prompt": "x", "stream": True, "temperature": -1}, "temperature"),
     ({"prompt": "x", "stream": True, "max_tokens": "many"}, "max_tokens"),
     ({"prompt": "x", "stream": True, "top_p": 0}, "top_p"),
-    ({"prompt": "x", "stream": True, "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "stream": True, "presence_penalty": 5.0}, "presence_penalty"),
+    ({"prompt": "x", "stream": True, "logit_bias": {"abc": 1.0}}, "logit_bias"),
+    ({"prompt": "x", "stream": True, "n": 2}, "n"),
     ({"prompt": "x", "stream": True, "speculative": {"num_speculative_tokens": -1}}, "num_speculative_tokens"),
     ({"stream": True}, "prompt"),
 ])

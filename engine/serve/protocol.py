@@ -21,10 +21,8 @@ from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingPa
 
 # OpenAI fields not mapped yet (the sampling-parity work adds them to SamplingParams), with the
 # value that means "not used".
-NOT_MAPPED: dict[str, Any] = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None,
-                              "response_format": None, "best_of": None, "echo": False, "suffix": None,
-                              "tools": None, "tool_choice": None, "parallel_tool_calls": None,
-                              "repetition_penalty": None}
+NOT_MAPPED: dict[str, Any] = {"n": 1, "response_format": None, "best_of": None, "echo": False, "suffix": None,
+                              "tools": None, "tool_choice": None, "parallel_tool_calls": None}
 _NEUTRAL_RESPONSE_FORMAT = {"type": "text"}
 
 
@@ -65,12 +63,11 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     speculative: SpeculativeOptions | None = None
-    # OpenAI fields not mapped yet (NOT_MAPPED)
-    n: int | None = 1
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     repetition_penalty: float | None = None
+    n: int | None = 1  # NOT_MAPPED
 
 
 class CompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
@@ -174,7 +171,8 @@ def to_sampling_params(req: _Common, stream: bool) -> SamplingParams:
     elif isinstance(req, ChatCompletionRequest):
         opts["max_tokens"] = 2**20  # OpenAI chat: until the model stops (the context length caps it)
     for name in ("temperature", "top_p", "seed", "stop", "top_k", "min_p", "min_tokens", "ignore_eos",
-                 "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens"):
+                 "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "logit_bias"):
         value = getattr(req, name)
         if value is not None:
             opts[name] = value
