@@ -52,7 +52,7 @@ def prepare_logits(logits: torch.Tensor, rows) -> torch.Tensor:
         m = r.num_drafts + 1
         start, first = first, first + m
         params = r.params
-        if params is None or not (params.needs_row_preparation or _bans_apply(r)):
+        if params is None or not (params.needs_row_preparation or r.bad_words_token_ids or _bans_apply(r)):
             continue
         if out is None:
             out = logits.to(torch.float32, copy=True)

@@ -1,4 +1,4 @@
-"""Presence, frequency and repetition penalties, vectorized over verify rows.
+"""Presence, frequency and repetition penalties, per verify row, on the tokens they touch only.
 
 Formulas (vLLM's, which are OpenAI's and CTRL's/transformers'), for a row whose context holds
 output-token counts ``c(v)`` and prompt tokens ``P``:
@@ -8,9 +8,12 @@ output-token counts ``c(v)`` and prompt tokens ``P``:
     presence:    x(v) - p * [c(v) > 0]
 
 applied in that order. Row j of a (1 + k)-row verify counts the request's committed output plus
-drafts ``[:j]`` (what plain decoding would have committed before predicting that slot), so the
-counts are built per row: one ``bincount`` of the committed output per request, repeated for its
-rows, plus one scatter of the draft prefix increments. The prompt set is a per-request mask.
+drafts ``[:j]`` (what plain decoding would have committed before predicting that slot).
+
+Only the columns of tokens that occur in the prompt, the output or the drafts can change, so a
+request's m rows are worked on as one small ``[m, U]`` block over its U distinct context tokens
+(``torch.unique`` of the ids, the output counted once, the draft prefix added per row), gathered
+from the logits and scattered back: O(P + L + m * U) per request instead of O(m * V).
 """
 
 from __future__ import annotations
@@ -22,44 +25,34 @@ def apply_penalties(logits: torch.Tensor, groups) -> None:
     """In place on ``logits`` ([T, V] float32).
 
     ``groups``: per penalized request ``(first_row, num_rows, params, prompt_ids, output_ids,
-    drafts)``; its row j sees ``output_ids + drafts[:j]``.
+    drafts)``; its row j sees ``output_ids + drafts[:j]`` (``prompt_ids`` may be empty when the
+    repetition penalty is off).
     """
-    vocab, dev = logits.shape[1], logits.device
-    rows: list[int] = []
-    counts, prompt_masks = [], []
-    pres, freq, rep = [], [], []
+    dev = logits.device
     for first, m, params, prompt_ids, output_ids, drafts in groups:
-        rows.extend(range(first, first + m))
-        base = _bincount(output_ids, vocab, dev)
-        c = base.expand(m, vocab).clone()
-        inc_rows = [j for j in range(1, m) for _ in range(j)]
-        if inc_rows:  # row j gets +1 for each of drafts[:j]
-            inc_toks = [drafts[i] for j in range(1, m) for i in range(j)]
-            c.index_put_((torch.tensor(inc_rows, device=dev), torch.tensor(inc_toks, device=dev)),
-                         torch.ones(len(inc_rows), device=dev), accumulate=True)
-        counts.append(c)
-        if params.repetition_penalty != 1.0:
-            prompt_masks.append((_bincount(prompt_ids, vocab, dev) > 0).expand(m, vocab))
-        else:
-            prompt_masks.append(torch.zeros(1, vocab, dtype=torch.bool, device=dev).expand(m, vocab))
-        pres.extend([params.presence_penalty] * m)
-        freq.extend([params.frequency_penalty] * m)
-        rep.extend([params.repetition_penalty] * m)
-    idx = torch.tensor(rows, dtype=torch.long, device=dev)
-    c = torch.cat(counts)
-    seen = c > 0
-    x = logits[idx]
-    r = torch.tensor(rep, dtype=torch.float32, device=dev)[:, None]
-    penalized = (seen | torch.cat(prompt_masks)) & (r != 1.0)
-    x = torch.where(penalized, torch.where(x > 0, x / r, x * r), x)
-    x = x - torch.tensor(freq, dtype=torch.float32, device=dev)[:, None] * c
-    x = x - torch.tensor(pres, dtype=torch.float32, device=dev)[:, None] * seen
-    logits[idx] = x
-
-
-def _bincount(token_ids, vocab: int, dev: torch.device) -> torch.Tensor:
-    """[V] float32 counts of ``token_ids`` (all < V)."""
-    if not token_ids:
-        return torch.zeros(vocab, dtype=torch.float32, device=dev)
-    ids = torch.as_tensor(token_ids, dtype=torch.long, device=dev)
-    return torch.bincount(ids, minlength=vocab).to(torch.float32)
+        drafts = list(drafts[:m - 1])
+        n_prompt, n_out = len(prompt_ids), len(output_ids)
+        ids = torch.tensor(list(prompt_ids) + list(output_ids) + drafts, dtype=torch.long, device=dev)
+        if ids.numel() == 0:
+            continue
+        cols, where = torch.unique(ids, return_inverse=True)
+        u = cols.numel()
+        counts = torch.zeros(u, dtype=torch.float32, device=dev)
+        counts.index_add_(0, where[n_prompt:n_prompt + n_out], torch.ones(n_out, device=dev))
+        counts = counts.expand(m, u).clone()
+        if drafts:  # row j gets +1 for each of drafts[:j]
+            draft_cols = where[n_prompt + n_out:].tolist()
+            inc = [(j, draft_cols[i]) for j in range(1, m) for i in range(j)]
+            counts.index_put_((torch.tensor([j for j, _ in inc], device=dev),
+                               torch.tensor([c for _, c in inc], device=dev)),
+                              torch.ones(len(inc), device=dev), accumulate=True)
+        seen = counts > 0
+        block = logits[first:first + m]
+        x = block[:, cols]
+        r = params.repetition_penalty
+        if r != 1.0:
+            in_prompt = torch.zeros(u, dtype=torch.bool, device=dev)
+            in_prompt[where[:n_prompt]] = True
+            x = torch.where(seen | in_prompt, torch.where(x > 0, x / r, x * r), x)
+        x = x - params.frequency_penalty * counts - params.presence_penalty * seen.to(x.dtype)
+        block[:, cols] = x
