@@ -10,49 +10,73 @@ output-token counts ``c(v)`` and prompt tokens ``P``:
 applied in that order. Row j of a (1 + k)-row verify counts the request's committed output plus
 drafts ``[:j]`` (what plain decoding would have committed before predicting that slot).
 
-Only the columns of tokens that occur in the prompt, the output or the drafts can change, so a
-request's m rows are worked on as one small ``[m, U]`` block over its U distinct context tokens
-(``torch.unique`` of the ids, the output counted once, the draft prefix added per row), gathered
-from the logits and scattered back: O(P + L + m * U) per request instead of O(m * V).
+Only the columns of tokens in a request's prompt, output or drafts can change, so the work is
+on (row, distinct context token) entries, never on whole [rows, V] rows, and it is one batch of
+tensor operations for all requests (no per-request kernels): ``torch.unique`` of
+``request * V + token`` over every context token gives each request's distinct tokens (sorted,
+so a request's are contiguous); the output is counted once per request; its rows are the
+entries ``(row j, distinct token u)``; the draft prefix adds its counts per row; the entries'
+logits are gathered, penalized and scattered back. Cost O(sum of context lengths + entries).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
 def apply_penalties(logits: torch.Tensor, groups) -> None:
-    """In place on ``logits`` ([T, V] float32).
+    """In place on ``logits`` ([T, V] float32, contiguous).
 
     ``groups``: per penalized request ``(first_row, num_rows, params, prompt_ids, output_ids,
     drafts)``; its row j sees ``output_ids + drafts[:j]`` (``prompt_ids`` may be empty when the
     repetition penalty is off).
     """
-    dev = logits.device
-    for first, m, params, prompt_ids, output_ids, drafts in groups:
+    dev, vocab = logits.device, logits.shape[1]
+    parts, kinds, draft_at = [], [], []  # draft_at: (group, row j, index in keys_flat) per draft row j counts
+    offset = 0
+    for g, (_, m, _, prompt, output, drafts) in enumerate(groups):
         drafts = list(drafts[:m - 1])
-        n_prompt, n_out = len(prompt_ids), len(output_ids)
-        ids = torch.tensor(list(prompt_ids) + list(output_ids) + drafts, dtype=torch.long, device=dev)
-        if ids.numel() == 0:
-            continue
-        cols, where = torch.unique(ids, return_inverse=True)
-        u = cols.numel()
-        counts = torch.zeros(u, dtype=torch.float32, device=dev)
-        counts.index_add_(0, where[n_prompt:n_prompt + n_out], torch.ones(n_out, device=dev))
-        counts = counts.expand(m, u).clone()
-        if drafts:  # row j gets +1 for each of drafts[:j]
-            draft_cols = where[n_prompt + n_out:].tolist()
-            inc = [(j, draft_cols[i]) for j in range(1, m) for i in range(j)]
-            counts.index_put_((torch.tensor([j for j, _ in inc], device=dev),
-                               torch.tensor([c for _, c in inc], device=dev)),
-                              torch.ones(len(inc), device=dev), accumulate=True)
-        seen = counts > 0
-        block = logits[first:first + m]
-        x = block[:, cols]
-        r = params.repetition_penalty
-        if r != 1.0:
-            in_prompt = torch.zeros(u, dtype=torch.bool, device=dev)
-            in_prompt[where[:n_prompt]] = True
-            x = torch.where(seen | in_prompt, torch.where(x > 0, x / r, x * r), x)
-        x = x - params.frequency_penalty * counts - params.presence_penalty * seen.to(x.dtype)
-        block[:, cols] = x
+        start = offset + len(prompt) + len(output)
+        parts.append(np.asarray(list(prompt) + list(output) + drafts, dtype=np.int64) + g * vocab)
+        kinds.append(np.repeat(np.array([0, 1, 2], dtype=np.int8), (len(prompt), len(output), len(drafts))))
+        draft_at += [(g, j, start + i) for j in range(1, m) for i in range(j)]
+        offset = start + len(drafts)
+    keys_flat = np.concatenate(parts)
+    if not keys_flat.size:
+        return
+    kind = torch.from_numpy(np.concatenate(kinds)).to(dev)
+    keys, where = torch.unique(torch.from_numpy(keys_flat).to(dev), return_inverse=True)
+    num_groups = len(groups)
+    key_group, key_token = keys // vocab, keys % vocab
+    num_keys = torch.bincount(key_group, minlength=num_groups)  # U_g
+    key_start = torch.cumsum(num_keys, 0) - num_keys
+    out_count = torch.zeros(keys.numel(), dtype=torch.float32, device=dev)
+    out_where = where[kind == 1]
+    out_count.index_add_(0, out_where, torch.ones(out_where.numel(), device=dev))
+    in_prompt = torch.zeros(keys.numel(), dtype=torch.bool, device=dev)
+    in_prompt[where[kind == 0]] = True
+    # Entries (row r, key u of r's group), row after row: r's entries are its group's keys.
+    info = torch.tensor([(f, m, p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+                         for f, m, p, *_ in groups], dtype=torch.float64, device=dev)
+    rows_per_group = info[:, 1].long()
+    row_group = torch.repeat_interleave(torch.arange(num_groups, device=dev), rows_per_group)  # [R]
+    group_first_row = torch.cumsum(rows_per_group, 0) - rows_per_group
+    row_abs = info[:, 0].long()[row_group] + torch.arange(row_group.numel(), device=dev) - group_first_row[row_group]
+    row_keys = num_keys[row_group]
+    row_entry_start = torch.cumsum(row_keys, 0) - row_keys
+    entry_row = torch.repeat_interleave(torch.arange(row_group.numel(), device=dev), row_keys)  # [E]
+    u = torch.arange(entry_row.numel(), device=dev) - (row_entry_start - key_start[row_group])[entry_row]
+    counts = out_count[u]
+    if draft_at:
+        g, jj, pos = torch.tensor(draft_at, dtype=torch.long, device=dev).unbind(1)
+        entry = row_entry_start[group_first_row[g] + jj] + where[pos] - key_start[g]
+        counts.index_add_(0, entry, torch.ones(entry.numel(), device=dev))
+    flat = row_abs[entry_row] * vocab + key_token[u]
+    x = logits.view(-1).index_select(0, flat)
+    rep, freq, pres = (info[:, c].to(torch.float32)[row_group][entry_row] for c in (2, 3, 4))
+    seen = counts > 0
+    penalized = (seen | in_prompt[u]) & (rep != 1.0)
+    x = torch.where(penalized, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - freq * counts - pres * seen
+    logits.view(-1).scatter_(0, flat, x)
