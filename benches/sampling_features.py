@@ -102,7 +102,8 @@ def main() -> None:
             print(f"{name:>26} {b_:>3} {k_:>2} {l_:>5} {ms:>8.2f} {us:>7.1f}")
     if args.skip_e2e:
         return
-    print(f"\nend to end, default model, 8 chat prompts (4 code edits, 4 Spec-Bench) x {args.max_tokens} tokens, greedy (tokens/s, median):")
+    print(f"\nend to end, default model, 8 chat prompts (4 code edits, 4 Spec-Bench) x {args.max_tokens} tokens, "
+          "greedy (tokens/s, median):")
     for kind, spec, tps in end_to_end(args.threads, args.repeats, args.max_tokens):
         print(f"{kind:>26} spec={spec:<6} {tps:8.1f}")
 

@@ -21,7 +21,8 @@ V = 12
 EOS = 11
 
 
-def reference_row(x: torch.Tensor, params: SamplingParams, prompt, output, bad_words, banned, num_output) -> torch.Tensor:
+def reference_row(x: torch.Tensor, params: SamplingParams, prompt, output, bad_words, banned,
+                  num_output) -> torch.Tensor:
     x = x.double().clone()
     if params.allowed_token_ids:
         keep = torch.zeros(V, dtype=torch.bool)

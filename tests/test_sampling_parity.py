@@ -83,7 +83,8 @@ def reference_processor(feature: str, tokenizer):
     kw = FEATURES[feature]
     lp = transformers.generation.logits_process
     bad = lp.NoBadWordsLogitsProcessor(bad_word_ids(tokenizer), eos_token_id=None) if "bad_words" in kw else None
-    bias = lp.SequenceBiasLogitsProcessor({(t,): b for t, b in kw["logit_bias"].items()}) if "logit_bias" in kw else None
+    bias = (lp.SequenceBiasLogitsProcessor({(t,): b for t, b in kw["logit_bias"].items()})
+            if "logit_bias" in kw else None)
     allowed = (lp.PrefixConstrainedLogitsProcessor(lambda _b, _ids: kw["allowed_token_ids"], num_beams=1)
                if "allowed_token_ids" in kw else None)
     rep = lp.RepetitionPenaltyLogitsProcessor(kw["repetition_penalty"]) if "repetition_penalty" in kw else None
