@@ -167,7 +167,8 @@ def test_bad_values_raise_naming_the_field_and_disturb_nothing(llm) -> None:
     engine.step()
     bad = [("logit_bias", dict(logit_bias={vocab: 1.0})), ("allowed_token_ids", dict(allowed_token_ids=[0, vocab])),
            ("logprobs", dict(logprobs=21)), ("prompt_logprobs", dict(prompt_logprobs=-1)),
-           ("stop_token_ids", dict(stop_token_ids=[vocab + 5]))]
+           ("stop_token_ids", dict(stop_token_ids=[vocab + 5])),
+           ("truncate_prompt_tokens", dict(truncate_prompt_tokens=engine.max_model_len + 1))]
     for field, kw in bad:
         with pytest.raises(ValueError, match=field):
             engine.add_request(f"bad-{field}", PROMPT, SamplingParams(**kw))
