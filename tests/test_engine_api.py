@@ -13,7 +13,7 @@ import math
 import msgspec
 import pytest
 
-from tokenbudget import LLM, SamplingParams
+from tokenbudget import LLM, Logprob, SamplingParams
 from tokenbudget.engine.api.config import EngineConfig
 from tokenbudget.engine.api.llm_engine import LLMEngine
 from tokenbudget.engine.api.outputs import GenerateRequest, RequestOutput
@@ -257,6 +257,7 @@ def test_logprobs(llm, reference, n) -> None:
         assert tok in entry
         # greedy: the sampled token is the most likely, so it is among the top n (no extra entry)
         assert len(entry) == max(n, 1)
+        assert all(isinstance(lp, Logprob) for lp in entry.values())
         values = [lp.logprob for lp in entry.values()]
         assert entry[tok].logprob == max(values) and entry[tok].logprob <= 0.0 and entry[tok].rank == 1
         assert all(math.isfinite(v) for v in values)

@@ -89,7 +89,8 @@ def test_seeded_sampling_with_penalties_equals_plain_decoding(dirs) -> None:
     """A seeded request is verified by the coupled rule: the same tokens as plain decoding."""
     target, draft = dirs
     plain = LLM(target, **OPTS)
-    spec = LLM(target, **OPTS, speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+    spec = LLM(target, **OPTS,
+               speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
     params = [SamplingParams(**dict(KW, max_tokens=16), seed=s) for s in range(64)]
     want = [o.outputs[0].token_ids for o in plain.generate([PROMPT] * 64, params, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in spec.generate([PROMPT] * 64, params, use_tqdm=False)]

@@ -13,6 +13,8 @@ prompt / sample logprobs must equal transformers' log_softmax within 1e-4.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -83,7 +85,8 @@ def reference_processor(feature: str, tokenizer):
     kw = FEATURES[feature]
     lp = transformers.generation.logits_process
     bad = lp.NoBadWordsLogitsProcessor(bad_word_ids(tokenizer), eos_token_id=None) if "bad_words" in kw else None
-    bias = lp.SequenceBiasLogitsProcessor({(t,): b for t, b in kw["logit_bias"].items()}) if "logit_bias" in kw else None
+    bias = (lp.SequenceBiasLogitsProcessor({(t,): b for t, b in kw["logit_bias"].items()})
+            if "logit_bias" in kw else None)
     allowed = (lp.PrefixConstrainedLogitsProcessor(lambda _b, _ids: kw["allowed_token_ids"], num_beams=1)
                if "allowed_token_ids" in kw else None)
     rep = lp.RepetitionPenaltyLogitsProcessor(kw["repetition_penalty"]) if "repetition_penalty" in kw else None
@@ -111,6 +114,7 @@ def reference_greedy(hf, prompt: list[int], process) -> tuple[list[int], float]:
     the tokens and the smallest top-2 gap seen."""
     out: list[int] = []
     gap = float("inf")
+    cache_arg = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"  # 5.x / 4.x
     with torch.no_grad():
         res = hf(torch.tensor([prompt]), use_cache=True)
         for _ in range(MAX_TOKENS):
@@ -118,7 +122,8 @@ def reference_greedy(hf, prompt: list[int], process) -> tuple[list[int], float]:
             top = x.topk(2).values
             gap = min(gap, float(top[0] - top[1]))
             out.append(int(x.argmax()))
-            res = hf(torch.tensor([[out[-1]]]), past_key_values=res.past_key_values, use_cache=True)
+            cache = res["cache"] if "cache" in res else res.past_key_values
+            res = hf(torch.tensor([[out[-1]]]), use_cache=True, **{cache_arg: cache})
     return out, gap
 
 

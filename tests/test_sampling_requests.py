@@ -16,7 +16,7 @@ import asyncio
 import msgspec
 import pytest
 
-from tokenbudget import AsyncLLM, EngineConfig, LLM, RequestOutputKind, SamplingParams
+from tokenbudget import LLM, AsyncLLM, EngineConfig, RequestOutputKind, SamplingParams
 
 from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, default_target  # noqa: E402
 
@@ -107,7 +107,7 @@ def test_n_in_async_streams() -> None:
                                     else list(c.token_ids))
             results[kind] = [got[i] for i in range(3)]
         stream = async_llm.add_request("cut", LONG, SamplingParams(n=2, max_tokens=60, ignore_eos=True))
-        async for out in stream:
+        async for out in stream:  # noqa: B007 (the last output is checked below)
             async_llm.abort("cut")
         assert out.finished and {c.finish_reason for c in out.outputs} == {"abort"}
         await async_llm.shutdown()
@@ -167,7 +167,8 @@ def test_bad_values_raise_naming_the_field_and_disturb_nothing(llm) -> None:
     engine.step()
     bad = [("logit_bias", dict(logit_bias={vocab: 1.0})), ("allowed_token_ids", dict(allowed_token_ids=[0, vocab])),
            ("logprobs", dict(logprobs=21)), ("prompt_logprobs", dict(prompt_logprobs=-1)),
-           ("stop_token_ids", dict(stop_token_ids=[vocab + 5]))]
+           ("stop_token_ids", dict(stop_token_ids=[vocab + 5])),
+           ("truncate_prompt_tokens", dict(truncate_prompt_tokens=engine.max_model_len + 1))]
     for field, kw in bad:
         with pytest.raises(ValueError, match=field):
             engine.add_request(f"bad-{field}", PROMPT, SamplingParams(**kw))
@@ -195,3 +196,23 @@ def test_max_logprobs_is_an_engine_option() -> None:
     entry = out.outputs[0].logprobs[0]
     assert len(entry) == wide.engine.model_config.vocab_size
     assert sorted(e.rank for e in entry.values()) == list(range(1, len(entry) + 1))
+
+
+def test_detokenize_false_and_a_processor_that_forces_tokens(llm) -> None:
+    """Two of vLLM's own checks: no text and no decoded tokens without detokenization; a
+    processor setting +inf forces that token, even when sampling."""
+    (out,) = llm.generate(PROMPT, SamplingParams(max_tokens=4, detokenize=False, logprobs=3, prompt_logprobs=3),
+                          use_tqdm=False)
+    c = out.outputs[0]
+    assert len(c.token_ids) == 4 and c.text == ""
+    for entry in out.prompt_logprobs[1:] + c.logprobs:
+        assert 3 <= len(entry) <= 4 and all(lp.decoded_token is None for lp in entry.values())
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+    def pick_ith(token_ids, logits):
+        logits[len(token_ids)] = float("inf")
+        return logits
+    params = SamplingParams(max_tokens=5, seed=1, ignore_eos=True, logits_processors=[pick_ith])
+    (forced,) = llm.generate(PROMPT, params, use_tqdm=False)
+    assert forced.outputs[0].token_ids == [0, 1, 2, 3, 4]

@@ -40,6 +40,7 @@ Decisions, where vLLM/SGLang users might expect something else:
   called once per verify row with that row's own prefix, so they must be pure functions of their
   arguments. They do not cross the wire (msgspec cannot encode a callable).
 * ``truncate_prompt_tokens``: keep only the last k prompt tokens (``-1``: ``max_model_len``).
+* ``detokenize=False``: token ids only (empty text, ``decoded_token`` None), as in vLLM.
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True
     truncate_prompt_tokens: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
@@ -225,9 +227,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         ids = self.stop_token_ids
         if not isinstance(ids, list) or not all(_is_int(i) and i >= 0 for i in ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {ids!r}")
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are matched in the text)")
 
     def _check_logits_fields(self) -> None:
         bias = self.logit_bias

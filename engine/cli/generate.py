@@ -145,7 +145,7 @@ def _batch(llm, args, default_params, chat: bool) -> int:
     finally:
         if args.output:
             sink.close()
-    n_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    n_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     print(_summary(len(outputs), n_tokens, elapsed, llm.get_spec_stats()), file=sys.stderr)
     return 0
 

@@ -105,7 +105,7 @@ class OutputProcessor:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         detok = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and params.detokenize:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
         state = RequestState(request, prompt, params, detok,
                              bool(params.stop) or params.output_kind != FINAL_ONLY, index,
@@ -208,16 +208,17 @@ class OutputProcessor:
         return result
 
     # ---- internals
-    def _logprob_dict(self, token: int, lp) -> dict[int, Logprob]:
-        """vLLM's entry: the token first, then the top k with their ranks 1..k."""
-        decode = self._decode_one
+    def _logprob_dict(self, state: RequestState, token: int, lp) -> dict[int, Logprob]:
+        """vLLM's entry: the token first, then the top k with their ranks 1..k; each token
+        decoded alone, special tokens kept (None without detokenization)."""
+        tok = self.tokenizer if state.detok is not None else None
+
+        def decode(t: int) -> str | None:
+            return None if tok is None else tok.decode([t], skip_special_tokens=False)
         item = {token: Logprob(float(lp.logprob), int(lp.rank), decode(token))}
         for rank, (t, v) in enumerate(lp.top, 1):
             item[int(t)] = Logprob(float(v), rank, decode(int(t)))
         return item
-
-    def _decode_one(self, token: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token], skip_special_tokens=False)
 
     def _add_prompt_logprobs(self, state: RequestState, first: int, entries: list) -> None:
         """Entries for prompt tokens ``first, first + 1, ...``; ones already held (a recompute
@@ -230,7 +231,7 @@ class OutputProcessor:
             raise RuntimeError(f"{state.request.request_id}: prompt logprobs from token {first}, {len(have)} held")
         prompt = state.request.prompt_token_ids
         for i, lp in enumerate(entries[skip:], first + skip):
-            have.append(self._logprob_dict(prompt[i], lp))
+            have.append(self._logprob_dict(state, prompt[i], lp))
 
     def _add_tokens(self, state: RequestState, entry: EngineCoreOutput) -> None:
         state.token_ids.extend(entry.new_token_ids)
@@ -245,7 +246,7 @@ class OutputProcessor:
                 per_pos[j] += 1
         if state.logprobs is not None and entry.new_logprobs:
             for token, lp in zip(entry.new_token_ids, entry.new_logprobs):
-                state.logprobs.append(self._logprob_dict(token, lp))
+                state.logprobs.append(self._logprob_dict(state, token, lp))
                 state.cumulative_logprob += float(lp.logprob)
         if state.detok_each_step and state.detok is not None:
             text_ids = entry.new_token_ids

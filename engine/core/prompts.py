@@ -121,6 +121,8 @@ def make_request(request_id: str, prompt: PromptInput, params: SamplingParams, p
     check_params_for_model(params, vocab_size, max_logprobs)
     keep = params.truncate_prompt_tokens
     if keep is not None:
+        if max_model_len is not None and keep > max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({max_model_len})")
         ids = ids[-(max_model_len or len(ids)):] if keep == -1 else ids[-keep:]
     stop_ids = set(params.stop_token_ids)
     eos = tokenizer.eos_token_id if tokenizer is not None else None

@@ -18,7 +18,8 @@ prepared row forbids has p = 0 and is rejected like any other.
    drafts[:j], not the prompt, as vLLM) ends with the word's other tokens;
 3. ``min_tokens``: EOS and stop ids -> -inf while fewer than ``min_tokens`` outputs precede the row;
 4. ``logit_bias``: added;
-5. ``logits_processors``: the user's callables, in order, on the row with that row's token ids;
+5. ``logits_processors``: the user's callables, in order, on the row with that row's token ids
+   (a token set to +inf is forced: the row keeps only the +inf tokens, equally likely);
 6. presence / frequency / repetition penalties (``engine.worker.penalties``, vectorized).
 
 Greedy is the argmax of the prepared logits. ``compute_target_probs`` then applies temperature ->
@@ -52,7 +53,7 @@ def prepare_logits(logits: torch.Tensor, rows) -> torch.Tensor:
         m = r.num_drafts + 1
         start, first = first, first + m
         params = r.params
-        if params is None or not (params.needs_row_preparation or _bans_apply(r)):
+        if params is None or not (params.needs_row_preparation or r.bad_words_token_ids or _bans_apply(r)):
             continue
         if out is None:
             out = logits.to(torch.float32, copy=True)
@@ -117,6 +118,9 @@ def _call_processors(block: torch.Tensor, r) -> None:
                                  f"{tuple(block[j].shape)}")
         if row.data_ptr() != block[j].data_ptr():
             block[j] = row
+        forced = torch.isposinf(block[j])
+        if bool(forced.any()):  # +inf forces a token: the row keeps only those (NaN-free softmax)
+            block[j] = torch.where(forced, 0.0, float("-inf"))
 
 
 def _num_params(fn) -> int:

@@ -33,8 +33,8 @@ row that predicted each emitted token, as vLLM returns by default, with the toke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
