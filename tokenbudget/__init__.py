@@ -15,6 +15,7 @@ from tokenbudget.engine.api.config import EngineConfig
 from tokenbudget.engine.api.errors import EngineDeadError, RequestError
 from tokenbudget.engine.api.outputs import CompletionOutput, GenerateRequest, RequestMetrics, RequestOutput
 from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
+from tokenbudget.engine.structured.params import StructuredOutputsParams
 
 _LAZY = {  # heavy (torch, model code): imported on first use
     "LLM": "tokenbudget.engine.api.llm",
@@ -32,4 +33,4 @@ def __getattr__(name: str):
 
 __all__ = ["AsyncLLM", "CompletionOutput", "EngineConfig", "EngineDeadError", "GenerateRequest", "LLM",
            "LLMEngine", "RequestError", "RequestMetrics", "RequestOutput", "RequestOutputKind",
-           "SamplingParams"]
+           "SamplingParams", "StructuredOutputsParams"]

@@ -27,6 +27,8 @@ Decisions, where vLLM/SGLang users might expect something else:
 * ``num_speculative_tokens``: per-request cap on drafts; ``None`` = engine default, ``0`` = no
   speculation for this request.
 * ``n``: only 1 is supported.
+* ``structured_outputs``: a ``StructuredOutputsParams`` (a dict of its fields is converted), or
+  None; ``engine.structured`` enforces it, exactly under speculation.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import operator
 
 import msgspec
 from msgspec.structs import force_setattr
+
+from tokenbudget.engine.structured.params import StructuredOutputsParams
 
 __all__ = ["GREEDY_TEMPERATURE_EPS", "RequestOutputKind", "SamplingParams"]
 
@@ -96,12 +100,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     skip_special_tokens: bool = True
     num_speculative_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
         self._check_ints()
         self._check_floats()
         self._check_lists_and_flags()
+        self._check_structured_outputs()
 
     # -- validation helpers (each raises ValueError naming the field) --
 
@@ -164,6 +170,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def _check_structured_outputs(self) -> None:
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            try:
+                force_setattr(self, "structured_outputs", StructuredOutputsParams(**so))
+            except TypeError as exc:
+                raise ValueError(f"structured_outputs: {exc}") from None
+        elif so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or None, got {so!r}")
 
     # -- derived values --
 

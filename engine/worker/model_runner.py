@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, model, config: ModelConfig, kv_caches: list[torch.Tensor], block_size: int,
                  sampler, device: torch.device | str = "cpu",
-                 attn_backend: AttentionBackend | None = None):
+                 attn_backend: AttentionBackend | None = None, structured=None):
         if len(kv_caches) != config.num_hidden_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for {config.num_hidden_layers} layers")
         if kv_caches and kv_caches[0].shape[2] != block_size:
@@ -52,6 +52,8 @@ class ModelRunner:
                                  kv_caches[0].dtype if kv_caches else torch.float32)
             attn_backend = select_attention_backend(self.device, spec)
         self.attn_backend = attn_backend
+        # engine.structured.manager.StructuredOutputs: grammar masks on the sampling rows.
+        self.structured = structured
         # (tokens, seconds) of the last step, for the draft-length controller's cost model.
         self.last_step: tuple[int, float] | None = None
 
@@ -83,6 +85,8 @@ class ModelRunner:
         logprobs: list[list] | None = None
         rows, owners, bans = self._sampling_rows(sched, batch.num_samples)
         apply_row_bans(logits, bans)
+        if self.structured is not None:
+            self.structured.apply_masks(logits, bans)
         if rows:
             out = self.sampler(logits, rows)
             for i, toks in zip(owners, out.token_ids):
