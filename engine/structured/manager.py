@@ -10,7 +10,8 @@ tokens. Everything else follows from it.
   would have there if those drafts were accepted. A draft the grammar forbids has logit ``-inf``
   at its row, so the verify rejects it like any other draft the target would not produce; the
   rows after it are never read (the row of the rejected draft emits the recovered token) and stay
-  unmasked. The matcher is rolled back to the committed state before returning (also on error).
+  unmasked; so do the rows after a draft that completes the grammar (the request ends at that
+  draft). The matcher is rolled back to the committed state before returning (also on error).
 * ``prepare(plan)`` (before the output processor): the step's new tokens are checked against the
   grammar, then consumed, and journaled. A request whose grammar is complete after some token
   (nothing but EOS may follow) finishes there with ``finish_reason="stop"``; tokens after it
@@ -104,14 +105,16 @@ class StructuredOutputs:
             consumed = 0
             try:
                 matcher.fill_bitmask(bitmask[0])
-                for j in range(n):
-                    matcher.consume(drafts[j:j + 1])
+                # A complete grammar consumes nothing more: the request ends at the token that
+                # completed it, so later rows (EOS-only until then) are never read.
+                while consumed < n and not matcher.is_complete():
+                    matcher.consume(drafts[consumed:consumed + 1])
                     consumed += 1
-                    matcher.fill_bitmask(bitmask[j + 1])
+                    matcher.fill_bitmask(bitmask[consumed])
             finally:
                 matcher.rollback(consumed)
-            masked.extend(range(first, first + n + 1))
-            masks.append(bitmask)
+            masked.extend(range(first, first + consumed + 1))
+            masks.append(bitmask[:consumed + 1])
         if masks:
             apply_bitmask(logits, masked, np.concatenate(masks))
             self.mask_rows += len(masked)
