@@ -92,8 +92,6 @@ class StructuredOutputs:
         if not self.matchers:
             return
         start = time.perf_counter()
-        masked: list[int] = []
-        masks: list[np.ndarray] = []
         width = self._backend.bitmask_width
         for first, m, sr in rows:
             matcher = self.matchers.get(sr.request_id)
@@ -113,11 +111,8 @@ class StructuredOutputs:
                     matcher.fill_bitmask(bitmask[consumed])
             finally:
                 matcher.rollback(consumed)
-            masked.extend(range(first, first + consumed + 1))
-            masks.append(bitmask[:consumed + 1])
-        if masks:
-            apply_bitmask(logits, masked, np.concatenate(masks))
-            self.mask_rows += len(masked)
+            apply_bitmask(logits, first, bitmask[:consumed + 1])
+            self.mask_rows += consumed + 1
         self.mask_seconds += time.perf_counter() - start
 
     def prepare(self, plan: list[EngineCoreOutput]) -> None:
