@@ -41,7 +41,7 @@ from msgspec.structs import force_setattr
 
 from tokenbudget.engine.structured.params import StructuredOutputsParams
 
-__all__ = ["GREEDY_TEMPERATURE_EPS", "RequestOutputKind", "SamplingParams"]
+__all__ = ["GREEDY_TEMPERATURE_EPS", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
 
 GREEDY_TEMPERATURE_EPS = 1e-5
 
