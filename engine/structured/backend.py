@@ -8,7 +8,7 @@ On this CPU and the default model's 49k-token vocabulary, against xgrammar 0.2.8
 * mask per token: median ~17 us against ~3 us (xgrammar caches masks per state), but mean ~60 us
   against ~210 us and p99 ~0.6 ms against ~6 ms: a verify row whose state is new pays xgrammar's
   tail, and speculation makes new states common;
-* set-up on the vocabulary: ~0.4 s against ~1.5 s;
+* set-up on the vocabulary: ~0.3 s against ~1.5 s;
 * both roll back exactly (a mask after ``accept k, rollback k`` equals the earlier one);
 * llguidance has no Python dependencies (xgrammar pulls transformers, triton, pydantic and a
   TVM runtime), and it validates a grammar without a tokenizer, so ``SamplingParams`` can
