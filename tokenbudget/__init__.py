@@ -16,6 +16,7 @@ from tokenbudget.engine.api.errors import EngineDeadError, EngineOverloadedError
 from tokenbudget.engine.api.outputs import CompletionOutput, GenerateRequest, Logprob, RequestMetrics, RequestOutput
 from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
 from tokenbudget.engine.core.stats import EngineStats
+from tokenbudget.engine.structured.params import StructuredOutputsParams
 
 _LAZY = {  # heavy (torch, model code): imported on first use
     "LLM": "tokenbudget.engine.api.llm",
@@ -34,4 +35,4 @@ def __getattr__(name: str):
 
 __all__ = ["AsyncLLM", "CompletionOutput", "EngineConfig", "EngineCore", "EngineDeadError",
            "EngineOverloadedError", "EngineStats", "GenerateRequest", "LLM", "LLMEngine", "Logprob", "RequestError",
-           "RequestMetrics", "RequestOutput", "RequestOutputKind", "SamplingParams"]
+           "RequestMetrics", "RequestOutput", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]

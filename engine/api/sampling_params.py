@@ -41,6 +41,8 @@ Decisions, where vLLM/SGLang users might expect something else:
   arguments. They do not cross the wire (msgspec cannot encode a callable).
 * ``truncate_prompt_tokens``: keep only the last k prompt tokens (``-1``: ``max_model_len``).
 * ``detokenize=False``: token ids only (empty text, ``decoded_token`` None), as in vLLM.
+* ``structured_outputs``: a ``StructuredOutputsParams`` (a dict of its fields is converted), or
+  None; ``engine.structured`` enforces it, exactly under speculation.
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ from typing import Any
 import msgspec
 from msgspec.structs import force_setattr
 
-__all__ = ["GREEDY_TEMPERATURE_EPS", "RequestOutputKind", "SamplingParams"]
+from tokenbudget.engine.structured.params import StructuredOutputsParams
+
+__all__ = ["GREEDY_TEMPERATURE_EPS", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
 
 GREEDY_TEMPERATURE_EPS = 1e-5
 
@@ -136,6 +140,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logits_processors: list[Any] | None = None
     num_speculative_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -143,6 +148,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         self._check_floats()
         self._check_lists_and_flags()
         self._check_logits_fields()
+        self._check_structured_outputs()
 
     # -- validation helpers (each raises ValueError naming the field) --
 
@@ -251,6 +257,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         procs = self.logits_processors
         if procs is not None and (not isinstance(procs, list) or not all(callable(f) for f in procs)):
             raise ValueError(f"logits_processors must be a list of callables, got {procs!r}")
+
+    def _check_structured_outputs(self) -> None:
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            try:
+                force_setattr(self, "structured_outputs", StructuredOutputsParams(**so))
+            except TypeError as exc:
+                raise ValueError(f"structured_outputs: {exc}") from None
+        elif so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or None, got {so!r}")
 
     # -- derived values --
 

@@ -5,17 +5,20 @@ drive this one object; what differs between them (a real or a fake runner, a tok
 is what they pass in. One step:
 
     drafts = speculator.propose(scheduler)            # drafts (+ probabilities) for decoding requests
+    drafts = structured.trim_drafts(drafts)           #   cut at the first token a grammar forbids
     scheduler.add_drafts(drafts)                      #   cut to draft_limit
     sched  = scheduler.schedule()                     # token budget; counters advance optimistically
-    result = runner.execute(sched)                    # one forward + sampling/verification
+    result = runner.execute(sched)                    # one forward + (grammar masks) + sampling/verification
     plan   = scheduler.plan_update(sched, result)     # what the step commits; changes nothing
+    structured.prepare(plan)                          # grammars consume the tokens (may end requests)
     outs   = outputs.prepare(plan)                    # text, stop strings (may end requests)
-    --- commit: scheduler.apply_update, outputs.commit, speculator.commit, on_finished fan-out
+    --- commit: scheduler.apply_update, outputs.commit, structured.commit, speculator.commit,
+        on_finished fan-out
 
 Everything before the commit either changes nothing or journals its changes, so when anything
 there raises (model, sampler, proposer, a kernel, the detokenizer) the step is rolled back:
-counters, blocks, prefix-cache entries, drafts, proposer/controller and output state are as they
-were (``kv_cache.journal`` says what a rollback after a forward pass keeps for safety). Then:
+counters, blocks, prefix-cache entries, drafts, proposer/controller, grammar and output state are
+as they were (``kv_cache.journal`` says what a rollback after a forward pass keeps for safety). Then:
 
 * the step is retried once: a *transient* fault passes and the outputs are those of a
   fault-free run (a request's tokens depend only on its own history, ``keyed_random``);
@@ -34,7 +37,7 @@ and ``CancelledError`` roll the step back and propagate; SIGINT is held during t
 change state (``interrupts.deferred_sigint``).
 
 One fan-out, ``_release(request)``, frees what a finished or aborted request held anywhere
-outside the scheduler (proposer indexes, controller, output state); the scheduler frees its KV
+outside the scheduler (proposer indexes, controller, grammar and output state); the scheduler frees its KV
 blocks when it finishes the request.
 
 A request with ``n > 1`` enters as n child requests (``engine.core.parallel_sampling``); each is
@@ -54,6 +57,7 @@ from tokenbudget.engine.core.interrupts import deferred_sigint
 from tokenbudget.engine.core.output_processor import OutputProcessor
 from tokenbudget.engine.core.stats import EngineStats, ThroughputMeter, collect_stats
 from tokenbudget.engine.core.parallel_sampling import ParentRequest
+from tokenbudget.engine.structured.manager import StructuredOutputs
 from tokenbudget.scheduler.output import EngineCoreOutput, SchedulerOutput
 from tokenbudget.scheduler.request import Request, RequestStatus
 from tokenbudget.scheduler.scheduler import Scheduler
@@ -64,13 +68,15 @@ logger = logging.getLogger("tokenbudget")
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, runner, speculator: Speculator | None = None,
-                 output_processor: OutputProcessor | None = None, *, max_failed_steps: int = 4) -> None:
+                 output_processor: OutputProcessor | None = None, *, max_failed_steps: int = 4,
+                 structured: StructuredOutputs | None = None) -> None:
         if max_failed_steps < 1:
             raise ValueError(f"max_failed_steps must be >= 1, got {max_failed_steps}")
         self.scheduler = scheduler
         self.runner = runner
         self.speculator = speculator if speculator is not None else Speculator()
         self.outputs = output_processor if output_processor is not None else OutputProcessor(None)
+        self.structured = structured if structured is not None else StructuredOutputs(None)
         self.max_failed_steps = max_failed_steps
         self.dead: EngineDeadError | None = None
         self.num_failed_attempts = 0
@@ -108,6 +114,7 @@ class EngineCore:
 
     def _add_one(self, request: Request, prompt: str | None, arrival_time: float | None = None,
                  parent: ParentRequest | None = None, index: int = 0) -> None:
+        matcher = self.structured.compile(request)
         self.scheduler.add_request(request)
         try:
             self.outputs.add_request(request, prompt, arrival_time, parent, index)
@@ -115,6 +122,7 @@ class EngineCore:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
             raise
         self.num_prompt_tokens += request.num_prompt_tokens
+        self.structured.add(request.request_id, matcher)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a running or waiting request (a parent: all its children in flight); its final
@@ -157,7 +165,7 @@ class EngineCore:
         return outputs
 
     def _attempt(self, only: Collection[str] | None) -> list[RequestOutput]:
-        scheduler, speculator, outputs = self.scheduler, self.speculator, self.outputs
+        scheduler, speculator, outputs, structured = self.scheduler, self.speculator, self.outputs, self.structured
         participants = self._participants = set()
         if speculator.enabled:
             participants.update(r.request_id for r in scheduler.decoding_requests(only))
@@ -168,16 +176,18 @@ class EngineCore:
             drafts = speculator.propose(scheduler, only)
             with deferred_sigint():
                 if drafts is not None:
-                    scheduler.add_drafts(drafts)
+                    scheduler.add_drafts(structured.trim_drafts(drafts))
                 sched = scheduler.schedule(only)
             participants.update(sr.request_id for sr in sched.scheduled)
             dirty = True
             result = self.runner.execute(sched)
             plan = scheduler.plan_update(sched, result)
+            structured.prepare(plan)
             step_outputs = outputs.prepare(plan, step_start)
         except BaseException:
             with deferred_sigint():
                 outputs.rollback()
+                structured.rollback()
                 speculator.rollback()
                 scheduler.rollback_step(dirty)
             raise
@@ -193,6 +203,7 @@ class EngineCore:
             generated = sum(len(entry.new_token_ids) for entry in plan)
             self.num_generated_tokens += generated
             self.throughput.add(generated)
+            self.structured.commit(plan)
             last = getattr(self.runner, "last_step", None)
             self.speculator.commit(plan, sched.total_num_scheduled_tokens, last[1] if last else None,
                                    len(sched.scheduled))
@@ -309,3 +320,4 @@ class EngineCore:
     def _release(self, request: Request) -> None:
         self.speculator.on_finished(request)
         self.outputs.on_finished(request)
+        self.structured.on_finished(request)

@@ -250,7 +250,7 @@ class OutputProcessor:
                 state.cumulative_logprob += float(lp.logprob)
         if state.detok_each_step and state.detok is not None:
             text_ids = entry.new_token_ids
-            if _text_drops_stop_token(state.params, entry.finish_status, entry.stop_reason):
+            if _text_drops_stop_token(state, entry.finish_status, entry.stop_reason, text_ids):
                 text_ids = text_ids[:-1]
             state.detok.add_tokens(text_ids)
 
@@ -291,7 +291,7 @@ class OutputProcessor:
             return None
         detok = state.detok
         if finished and detok is not None and not state.detok_each_step:
-            drop = _text_drops_stop_token(state.params, status, stop_reason)
+            drop = _text_drops_stop_token(state, status, stop_reason, state.token_ids)
             detok.add_tokens(state.token_ids[:-1] if drop else state.token_ids)
         text = ""
         if detok is not None:
@@ -334,8 +334,13 @@ class OutputProcessor:
                              outputs=[completion], finished=finished, metrics=metrics, error=error)
 
 
-def _text_drops_stop_token(params: SamplingParams, status: RequestStatus | None, stop_reason) -> bool:
+def _text_drops_stop_token(state: RequestState, status: RequestStatus | None, stop_reason,
+                           token_ids: list[int]) -> bool:
     """vLLM: the EOS / stop token that ended a request is not part of its text (unless
-    ``include_stop_str_in_output``); a stop string is handled by the detokenizer."""
-    return (status == RequestStatus.FINISHED_STOPPED and not isinstance(stop_reason, str)
-            and not params.include_stop_str_in_output)
+    ``include_stop_str_in_output``); a stop string is handled by the detokenizer. Only those
+    tokens: a request stopped by its grammar ending (``engine.structured``) keeps its last token."""
+    if (status != RequestStatus.FINISHED_STOPPED or isinstance(stop_reason, str) or not token_ids
+            or state.params.include_stop_str_in_output):
+        return False
+    last = token_ids[-1]
+    return last == stop_reason if stop_reason is not None else last == state.request.eos_token_id

@@ -16,6 +16,7 @@ from tokenbudget.engine.core.engine_core import EngineCore
 from tokenbudget.engine.core.output_processor import OutputProcessor
 from tokenbudget.engine.loader.target import TargetModel, load_target_model
 from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.engine.structured.manager import StructuredOutputs
 from tokenbudget.engine.worker.kv_cache_alloc import (
     allocate_kv_caches,
     num_blocks_for_budget,
@@ -80,12 +81,13 @@ def wire_engine(config: EngineConfig, target: TargetModel, spec_config: Speculat
     if config.deterministic:
         from tokenbudget.engine.worker.deterministic import apply_deterministic_mode
         apply_deterministic_mode(model, device)
+    structured = StructuredOutputs(target.tokenizer, mcfg.vocab_size)
     runner = ModelRunner(model, mcfg, kv_caches, config.block_size, Sampler(), device,
-                         deterministic=config.deterministic)
+                         deterministic=config.deterministic, structured=structured)
     if config.cuda_graphs:
         _wrap_in_cuda_graphs(runner, kv_caches, spec_config, max_model_len, config)
     speculator = _build_speculator(spec_config, target, scheduler, runner) if spec_config else Speculator()
-    core = EngineCore(scheduler, runner, speculator, OutputProcessor(target.tokenizer))
+    core = EngineCore(scheduler, runner, speculator, OutputProcessor(target.tokenizer), structured=structured)
     gc.collect()
     gc.freeze()  # start-up objects (weights' Python wrappers, tokenizer) leave the GC's scans
     logger.info("tokenbudget: %s on %s (%s, %d threads), max_model_len=%d, %d KV blocks of %d tokens, "

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, model, config: ModelConfig, kv_caches: list[torch.Tensor], block_size: int,
                  sampler, device: torch.device | str = "cpu",
-                 attn_backend: AttentionBackend | None = None, deterministic: bool = False):
+                 attn_backend: AttentionBackend | None = None, deterministic: bool = False, structured=None):
         if len(kv_caches) != config.num_hidden_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for {config.num_hidden_layers} layers")
         if kv_caches and kv_caches[0].shape[2] != block_size:
@@ -53,6 +53,8 @@ class ModelRunner:
                                  kv_caches[0].dtype if kv_caches else torch.float32)
             attn_backend = select_attention_backend(self.device, spec, deterministic=deterministic)
         self.attn_backend = attn_backend
+        # engine.structured.manager.StructuredOutputs: grammar masks on the sampling rows.
+        self.structured = structured
         # (tokens, seconds) of the last step, for the draft-length controller's cost model.
         self.last_step: tuple[int, float] | None = None
 
@@ -91,6 +93,8 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[list] | None = None
         rows, owners = self._sampling_rows(sched, batch.num_samples)
+        if self.structured is not None:  # grammar masks on the raw logits, before p is built
+            self.structured.apply_masks(logits, _row_spans(sched, batch.num_samples))
         if rows:
             out = self.sampler(logits, rows)
             for i, toks in zip(owners, out.token_ids):
@@ -119,6 +123,16 @@ class ModelRunner:
                                     sr.bad_words_token_ids))
             owners.append(i)
         return rows, owners
+
+
+def _row_spans(sched: SchedulerOutput, num_samples: list[int]) -> list[tuple[int, int, object]]:
+    """Per sampling request: ``(first logits row, number of rows, scheduled request)``."""
+    spans, first = [], 0
+    for sr, m in zip(sched.scheduled, num_samples):
+        if m:
+            spans.append((first, m, sr))
+            first += m
+    return spans
 
 
 def _context(sr, num_committed: int) -> tuple[list[int], list[int]]:
