@@ -13,6 +13,7 @@ import torch
 from tokenbudget.engine.loader import LoadedModel, load_model_files
 from tokenbudget.engine.model import build_model
 from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.engine.model.quant import quantize_model
 from tokenbudget.engine.text.tokenizer import Tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -28,6 +29,7 @@ class TargetModel:
     device: torch.device
     dtype: torch.dtype
     source: str  # the file or directory it was read from
+    quantization: str = "none"  # none | int8 | int4 (engine.model.quant)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -48,16 +50,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def build_target(loaded: LoadedModel, dtype: torch.dtype, device: torch.device) -> TargetModel:
-    """Build the model from a loaded state dict. The dict is emptied (its tensors now belong to
-    the model or are freed), so a caller that keeps a ``LoadedModel`` passes a copy."""
+def build_target(loaded: LoadedModel, dtype: torch.dtype, device: torch.device,
+                 quantization: str = "none") -> TargetModel:
+    """Build the model from a loaded state dict, then quantize its linears (``quantization``
+    != none: the float weights are dropped, see ``engine.model.quant``). The dict is emptied (its
+    tensors now belong to the model or are freed), so a caller that keeps a ``LoadedModel``
+    passes a copy."""
     model = build_model(loaded.config, loaded.state_dict, dtype, device)
     loaded.state_dict.clear()
-    return TargetModel(model, loaded.config, loaded.tokenizer, device, dtype, loaded.source)
+    quantize_model(model, quantization)
+    return TargetModel(model, loaded.config, loaded.tokenizer, device, dtype, loaded.source, quantization)
 
 
-def load_target_model(model: str | None = None, *, dtype: str = "auto", device: str = "auto") -> TargetModel:
+def load_target_model(model: str | None = None, *, dtype: str = "auto", device: str = "auto",
+                      quantization: str = "none") -> TargetModel:
     """Read ``model`` (a .gguf file, an HF directory, or None for the default model) onto a device."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    return build_target(load_model_files(model, dtype=dt), dt, dev)
+    return build_target(load_model_files(model, dtype=dt), dt, dev, quantization)
