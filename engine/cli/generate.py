@@ -44,8 +44,9 @@ def add_parser(sub) -> None:
     p.add_argument("--speculative-config", help="full speculative_config as JSON (overrides --spec-*)")
     p.add_argument("--no-spec", action="store_true", help="disable speculative decoding")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", default="none",
-                   help="none | int8 | int4: weight-only quantized linears (CPU, float32)")
+    p.add_argument("--quantization", default="auto",
+                   help="auto | none | int8 | int4: weight-only quantized linears (CPU, float32); "
+                        "auto keeps a GGUF's width (Q4_1 -> int4)")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)

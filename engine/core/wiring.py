@@ -57,7 +57,7 @@ def check_target_matches(config: EngineConfig, target: TargetModel) -> None:
         want = getattr(config, name)
         if want != "auto" and want != got:
             raise ValueError(f"{name}={want!r} but the given model was loaded with {name}={got!r}")
-    if config.quantization != target.quantization:
+    if config.quantization not in ("auto", target.quantization):
         raise ValueError(f"quantization={config.quantization!r} but the given model was loaded with "
                          f"quantization={target.quantization!r}")
 

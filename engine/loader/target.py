@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenbudget.engine.loader import LoadedModel, load_model_files
+from tokenbudget.engine.loader.weight_quant import resolve_quantization
 from tokenbudget.engine.model import build_model
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.model.quant import quantize_model
@@ -53,9 +54,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def build_target(loaded: LoadedModel, dtype: torch.dtype, device: torch.device,
                  quantization: str = "none") -> TargetModel:
     """Build the model from a loaded state dict, then quantize its linears (``quantization``
-    != none: the float weights are dropped, see ``engine.model.quant``). The dict is emptied (its
+    != none: the float weights are dropped, see ``engine.model.quant``; ``auto``: what the file
+    holds, see ``engine.loader.weight_quant``). The dict is emptied (its
     tensors now belong to the model or are freed), so a caller that keeps a ``LoadedModel``
     passes a copy."""
+    quantization = resolve_quantization(quantization, loaded.source, dtype, device)
     model = build_model(loaded.config, loaded.state_dict, dtype, device)
     loaded.state_dict.clear()
     quantize_model(model, quantization)
@@ -63,7 +66,7 @@ def build_target(loaded: LoadedModel, dtype: torch.dtype, device: torch.device,
 
 
 def load_target_model(model: str | None = None, *, dtype: str = "auto", device: str = "auto",
-                      quantization: str = "none") -> TargetModel:
+                      quantization: str = "auto") -> TargetModel:
     """Read ``model`` (a .gguf file, an HF directory, or None for the default model) onto a device."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)

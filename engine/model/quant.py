@@ -40,7 +40,9 @@ def _int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _int4_groupwise(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [N, K]`` -> (packed weight, scales_and_zeros ``[K / group, N, 2]``)."""
+    """``w [N, K]`` -> (packed weight, scales_and_zeros ``[K / group, Np, 2]``); the kernel needs
+    N a multiple of 16, so N is padded with zero rows to ``Np`` (the caller drops those outputs)."""
+    w = torch.nn.functional.pad(w, (0, 0, 0, -w.shape[0] % 16))
     n, k = w.shape
     g = w.reshape(n, k // group, group)
     lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
@@ -55,11 +57,11 @@ def _int4_groupwise(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
 class QuantLinear:
     """``y = x @ dequant(Wq).T + b`` with a packed weight-only quantized ``Wq`` (see module doc)."""
 
-    __slots__ = ("mode", "packed", "scales", "bias", "group_size", "act_dtype")
+    __slots__ = ("mode", "packed", "scales", "bias", "group_size", "act_dtype", "out_features")
 
     def __init__(self, mode: str, packed: torch.Tensor, scales: torch.Tensor,
-                 bias: torch.Tensor | None, group_size: int, act_dtype: torch.dtype):
-        self.mode, self.packed, self.bias = mode, packed, bias
+                 bias: torch.Tensor | None, group_size: int, act_dtype: torch.dtype, out_features: int):
+        self.mode, self.packed, self.bias, self.out_features = mode, packed, bias, out_features
         self.scales = scales.to(act_dtype)  # the kernels take scales in the activation dtype
         self.group_size, self.act_dtype = group_size, act_dtype
 
@@ -68,15 +70,15 @@ class QuantLinear:
                    group_size: int = INT4_GROUP_SIZE,
                    act_dtype: torch.dtype = torch.bfloat16) -> "QuantLinear":
         w = weight.detach().float()
-        k = w.shape[1]
+        n, k = w.shape
         if mode == "int8":
             q, s = _int8_per_channel(w)
-            return cls(mode, q, s, bias, 0, act_dtype)
+            return cls(mode, q, s, bias, 0, act_dtype, n)
         if mode == "int4":
             if k % group_size or group_size not in (32, 64, 128, 256):
                 raise ValueError(f"int4 needs in_features ({k}) divisible by group_size ({group_size})")
             packed, sz = _int4_groupwise(w, group_size)
-            return cls(mode, packed, sz, bias, group_size, act_dtype)
+            return cls(mode, packed, sz, bias, group_size, act_dtype, n)
         raise ValueError(f"quantization must be one of {'/'.join(QUANTIZATIONS[1:])}, got {mode!r}")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,6 +88,7 @@ class QuantLinear:
             y = torch.ops.aten._weight_int8pack_mm(x, self.packed, self.scales)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales)
+            y = y[:, :self.out_features]
         y = y.to(out_dtype)
         return y if self.bias is None else y + self.bias
 
