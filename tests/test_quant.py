@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_batch_invariance import CFG, random_state_dict
 
 from tokenbudget.engine.api.config import EngineConfig
 from tokenbudget.engine.api.llm import LLM
@@ -19,7 +20,6 @@ from tokenbudget.engine.model.layers import Linear
 from tokenbudget.engine.model.quant import QuantLinear, quantize_model
 
 from engine_fixtures import ENGINE_OPTS, default_loaded
-from test_batch_invariance import CFG, random_state_dict
 
 
 @pytest.mark.parametrize("mode,tol", [("int8", 0.02), ("int4", 0.15)])
@@ -42,9 +42,9 @@ def test_quantize_model_keeps_no_float_linear():
     assert not any(isinstance(v, Linear) for v in vars(model).values())
 
 
-@pytest.mark.parametrize("kwargs,field", [(dict(quantization="int3"), "quantization"),
-                                          (dict(quantization="int4", dtype="bfloat16"), "quantization"),
-                                          (dict(quantization="int8", device="cuda"), "quantization")])
+@pytest.mark.parametrize("kwargs,field", [({"quantization": "int3"}, "quantization"),
+                                          ({"quantization": "int4", "dtype": "bfloat16"}, "quantization"),
+                                          ({"quantization": "int8", "device": "cuda"}, "quantization")])
 def test_bad_quantization_is_a_value_error(kwargs, field):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**kwargs)

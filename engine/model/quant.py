@@ -57,7 +57,7 @@ def _int4_groupwise(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
 class QuantLinear:
     """``y = x @ dequant(Wq).T + b`` with a packed weight-only quantized ``Wq`` (see module doc)."""
 
-    __slots__ = ("mode", "packed", "scales", "bias", "group_size", "act_dtype", "out_features")
+    __slots__ = ("act_dtype", "bias", "group_size", "mode", "out_features", "packed", "scales")
 
     def __init__(self, mode: str, packed: torch.Tensor, scales: torch.Tensor,
                  bias: torch.Tensor | None, group_size: int, act_dtype: torch.dtype, out_features: int):
@@ -68,7 +68,7 @@ class QuantLinear:
     @classmethod
     def from_float(cls, weight: torch.Tensor, mode: str, bias: torch.Tensor | None = None,
                    group_size: int = INT4_GROUP_SIZE,
-                   act_dtype: torch.dtype = torch.bfloat16) -> "QuantLinear":
+                   act_dtype: torch.dtype = torch.bfloat16) -> QuantLinear:
         w = weight.detach().float()
         n, k = w.shape
         if mode == "int8":
