@@ -77,9 +77,10 @@ def test_greedy_ngram_equals_plain_per_mode(quant_target):
 
     def gen(**opts):
         llm = LLM(quant_target, **(ENGINE_OPTS | opts))
-        return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        return llm, [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
-    plain = gen(quantization=quant_target.quantization)
-    spec = gen(max_num_batched_tokens=16,  # chunked prefill mixed with verifies
-               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    _, plain = gen(quantization=quant_target.quantization)
+    llm, spec = gen(max_num_batched_tokens=16,  # chunked prefill mixed with verifies
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     assert spec == plain
+    assert llm.get_spec_stats().num_accepted_tokens > 0  # the code prompt repeats its input
