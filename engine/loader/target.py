@@ -6,6 +6,8 @@ wire many engines around it (weights are only read, never written, by an engine)
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +53,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def _return_freed_memory() -> None:
+    """Hand the heap pages freed by loading (the file's dequantized copy, the float weights a
+    quantized model dropped) back to the OS: glibc keeps them otherwise, and RSS stays at the
+    load-time peak (default model, int4: 1.6 GB -> 0.99 GB with the default 512 MB KV pool)."""
+    libc = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
+    if trim is not None:
+        trim(0)
+
+
 def build_target(loaded: LoadedModel, dtype: torch.dtype, device: torch.device,
                  quantization: str = "none") -> TargetModel:
     """Build the model from a loaded state dict, then quantize its linears (``quantization``
@@ -62,6 +74,7 @@ def build_target(loaded: LoadedModel, dtype: torch.dtype, device: torch.device,
     model = build_model(loaded.config, loaded.state_dict, dtype, device)
     loaded.state_dict.clear()
     quantize_model(model, quantization)
+    _return_freed_memory()
     return TargetModel(model, loaded.config, loaded.tokenizer, device, dtype, loaded.source, quantization)
 
 
