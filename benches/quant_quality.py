@@ -1,8 +1,9 @@
 """Quality and speed of each ``quantization`` mode on the default model (CPU, fp32 activations
 outside the GEMMs).
 
-Per mode (none / int8 / int4): perplexity of the model on a held text (the first Spec-Bench
-questions of a few categories joined, cut to ``--ppl-tokens`` tokens, one whole-sequence forward);
+Per mode (none / int8 / int4): perplexity of the model on a held text (Spec-Bench writing, humanities and
+stem questions not used as prompts, joined and cut to ``--ppl-tokens`` tokens, one whole-sequence
+forward);
 greedy agreement with the fp32 (``none``) path: over ``--prompts`` chat-templated Spec-Bench
 prompts, the fraction of prompts whose ``--max-new-tokens`` greedy tokens are identical and the
 mean length of the common prefix; decode tok/s at batch 1 for each thread count (median over the
@@ -67,10 +68,11 @@ def main(argv=None) -> dict:
 
     targets = {m: load(m) for m in MODES}
     tok = targets["none"].tokenizer
-    held = " ".join(p.text for p in spec_bench(2, ("writing", "humanities", "stem")))
-    ppl_ids = tok.encode(held)[:args.ppl_tokens]
     cats = ("writing", "roleplay", "reasoning", "math", "coding", "stem", "humanities", "qa")
-    prompts = [chat_token_ids(tok, p.text) for p in spec_bench(2, cats)][:args.prompts]
+    chosen = spec_bench(2, cats)[:args.prompts]
+    prompts = [chat_token_ids(tok, p.text) for p in chosen]
+    held = " ".join(p.text for p in spec_bench(10, ("writing", "humanities", "stem")) if p not in chosen)
+    ppl_ids = tok.encode(held)[:args.ppl_tokens]
     torch.set_num_threads(1)
     ppl = {m: perplexity(t, ppl_ids) for m, t in targets.items()}
     toks: dict[str, list[list[int]]] = {m: [] for m in MODES}
