@@ -21,10 +21,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from benches.common import engine_generate, machine_info, median, print_table, write_json  # noqa: E402
-from benches.workloads import chat_token_ids, spec_bench  # noqa: E402
+from benches.common import engine_generate, machine_info, median, print_table, write_json
+from benches.workloads import chat_token_ids, spec_bench
 
 MODES = ("none", "int8", "int4")
 
