@@ -47,13 +47,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--quantization", default="none",
+                    help="tokenbudget's weights: none (fp32, the same weights as transformers; the "
+                         "recorded figures) | auto | int8 | int4")
     ap.add_argument("--markdown", action="store_true", help="write '## CPU decode' into benches/RESULTS.md")
     args = ap.parse_args(argv)
 
     from tokenbudget import LLM
 
     torch.set_num_threads(args.threads)
-    llm = LLM(num_threads=args.threads, enable_prefix_caching=False)
+    llm = LLM(num_threads=args.threads, enable_prefix_caching=False, quantization=args.quantization)
     hf, tok = load_hf_model(args.threads)
     eos = llm.engine.model_config.eos_token_ids
     cats = ("writing", "roleplay", "reasoning", "math", "coding", "stem", "humanities", "qa")

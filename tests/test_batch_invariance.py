@@ -6,6 +6,8 @@ Findings on this CPU (AMD EPYC AVX-512, torch 2.13 CPU + MKL 2024.2, 1-2 threads
   M in {5..7, 9..11}); padding every GEMM's rows to a multiple of 4 makes rows bitwise invariant.
 * bf16 F.linear: M=1 differs from M>=2 for some shapes; same padding covers it.
 * SDPA is not invariant; the reference backend uses padded bmm + fixed 256-key P@V tiles.
+* the weight-only quantized kernels (int8 per-channel, int4 groupwise; engine/model/quant.py)
+  are row-invariant under the same padding (benches/quant_kernels.py); checked here end to end.
 Cost, SmolLM2-135M-shaped fp32 random model, batch-1 decode: see the report (runner benchmark).
 
 Here: every position of several sequences gets bitwise identical logits under different
@@ -22,6 +24,7 @@ import torch
 
 from tokenbudget.engine.model import build_model
 from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.engine.model.quant import quantize_model
 from tokenbudget.engine.worker.kv_cache_alloc import allocate_kv_caches
 from tokenbudget.engine.worker.model_runner import ModelRunner
 from tokenbudget.scheduler.output import SchedulerOutput
@@ -97,9 +100,10 @@ SCHEDULES = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_logits_bitwise_identical_across_schedules(dtype):
-    model = build_model(CFG, random_state_dict(CFG), dtype, "cpu")
+@pytest.mark.parametrize("dtype,quantization", [(torch.float32, "none"), (torch.bfloat16, "none"),
+                                                (torch.float32, "int8"), (torch.float32, "int4")])
+def test_logits_bitwise_identical_across_schedules(dtype, quantization):
+    model = quantize_model(build_model(CFG, random_state_dict(CFG), dtype, "cpu"), quantization)
     rng = random.Random(1)
     seqs = [[rng.randrange(CFG.vocab_size) for _ in range(n)] for n in (3, 37, 70, 290)]
     results = {name: run_schedule(model, seqs, fn, dtype, seed)
@@ -108,13 +112,15 @@ def test_logits_bitwise_identical_across_schedules(dtype):
     for name, got in results.items():
         for s, (a, b) in enumerate(zip(ref, got)):
             diff = (a != b).any(-1).nonzero().flatten().tolist()
-            assert not diff, f"{dtype} schedule {name!r}, seq {s}: positions {diff[:10]} differ"
+            assert not diff, f"{dtype}/{quantization} schedule {name!r}, seq {s}: positions {diff[:10]} differ"
 
 
-def test_position_alone_vs_in_batch():
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_position_alone_vs_in_batch(quantization):
     """One position computed by a 1-token forward equals the same position inside a 5-row verify
     chunk batched with a prefill chunk and a decode of other requests."""
-    model = build_model(CFG, random_state_dict(CFG, seed=3), torch.float32, "cpu")
+    model = quantize_model(build_model(CFG, random_state_dict(CFG, seed=3), torch.float32, "cpu"),
+                           quantization)
     rng = random.Random(5)
     seqs = [[rng.randrange(CFG.vocab_size) for _ in range(n)] for n in (20, 33, 9)]
     alone = run_schedule(model, [seqs[0]], lambda r, rem: 15 if rem == 20 else 1, torch.float32, 0)

@@ -19,6 +19,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str | None = None  # HF directory or .gguf file; None = SmolLM2-135M-Instruct
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on CUDA
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # CPU fp32 only: weight-only quantized GEMMs (engine/model/quant.py); none = the float path;
+    # auto = what the model file holds (a Q4_1 GGUF -> int4; HF, CUDA, bf16 -> none)
+    quantization: Literal["auto", "none", "int8", "int4"] = "auto"
     max_model_len: int | None = None  # None: the model's context, capped by the KV pool
     block_size: int = 16
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY
@@ -58,6 +61,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         for name in ("cuda_graphs", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise ValueError(f"quantization must be one of auto/none/int8/int4, got {self.quantization!r}")
+        if self.quantization in ("int8", "int4") and (self.device == "cuda" or self.dtype not in ("auto", "float32")):
+            raise ValueError(f"quantization={self.quantization!r} runs on the CPU in float32 "
+                             f"(got device={self.device!r}, dtype={self.dtype!r})")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of auto/float32/bfloat16/float16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -44,6 +44,9 @@ def add_parser(sub) -> None:
     p.add_argument("--speculative-config", help="full speculative_config as JSON (overrides --spec-*)")
     p.add_argument("--no-spec", action="store_true", help="disable speculative decoding")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default="auto",
+                   help="auto | none | int8 | int4: weight-only quantized linears (CPU, float32); "
+                        "auto keeps a GGUF's width (Q4_1 -> int4)")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -69,7 +72,7 @@ def run(args) -> int:
     if (args.prompt is None) == (args.input is None):
         raise ValueError("give either a prompt or --input FILE")
     from tokenbudget.engine.api.llm import LLM
-    options = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+    options = dict(dtype=args.dtype, quantization=args.quantization, device=args.device, max_model_len=args.max_model_len,
                    max_num_seqs=args.max_num_seqs, num_threads=args.threads,
                    speculative_config=speculative_config_from_args(args))
     llm = LLM(args.model, **options)

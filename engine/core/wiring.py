@@ -45,7 +45,8 @@ def load_and_wire(config: EngineConfig, target: TargetModel | None = None) -> Wi
     spec_config = config.spec_config
     threads = set_torch_threads(config.num_threads)
     if target is None:
-        target = load_target_model(config.model, dtype=config.dtype, device=config.device)
+        target = load_target_model(config.model, dtype=config.dtype, device=config.device,
+                                   quantization=config.quantization)
     else:
         check_target_matches(config, target)
     return wire_engine(config, target, spec_config, threads)
@@ -57,6 +58,9 @@ def check_target_matches(config: EngineConfig, target: TargetModel) -> None:
         want = getattr(config, name)
         if want != "auto" and want != got:
             raise ValueError(f"{name}={want!r} but the given model was loaded with {name}={got!r}")
+    if config.quantization not in ("auto", target.quantization):
+        raise ValueError(f"quantization={config.quantization!r} but the given model was loaded with "
+                         f"quantization={target.quantization!r}")
 
 
 def wire_engine(config: EngineConfig, target: TargetModel, spec_config: SpeculativeConfig | None,
@@ -90,9 +94,9 @@ def wire_engine(config: EngineConfig, target: TargetModel, spec_config: Speculat
     core = EngineCore(scheduler, runner, speculator, OutputProcessor(target.tokenizer), structured=structured)
     gc.collect()
     gc.freeze()  # start-up objects (weights' Python wrappers, tokenizer) leave the GC's scans
-    logger.info("tokenbudget: %s on %s (%s, %d threads), max_model_len=%d, %d KV blocks of %d tokens, "
-                "speculation=%s", target.source, device, str(dtype).removeprefix("torch."), threads,
-                max_model_len, num_blocks, config.block_size, spec_config.method if spec_config else "off")
+    logger.info("tokenbudget: %s on %s (%s, quantization=%s, %d threads), max_model_len=%d, %d KV blocks of %d tokens, "
+                "speculation=%s", target.source, device, str(dtype).removeprefix("torch."), target.quantization,
+                threads, max_model_len, num_blocks, config.block_size, spec_config.method if spec_config else "off")
     return WiredEngine(core, target, spec_config)
 
 

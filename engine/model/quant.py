@@ -1,0 +1,123 @@
+"""Weight-only quantized linears for the CPU (``quantization`` = ``int8`` | ``int4``).
+
+``quantize_model(model, mode)`` replaces every ``layers.Linear`` of a built ``LlamaForCausalLM``
+(q/k/v, o, gate/up, down, lm_head) by a :class:`QuantLinear` holding only the packed weight and
+its scales: the fp32 weight and its oneDNN-packed copy are dropped, so no second copy of the
+weights is kept. The token embedding stays a float table (it is a row lookup, not a GEMM).
+
+The lm_head is int8 in both modes (:data:`LM_HEAD_MODE`), as GGUF Q4 files keep it (the default
+model's tied embedding is Q8_0). Measured on the default model, 400 held tokens: perplexity fp32
+22.68, int4 blocks + int8 head 22.82, int4 blocks + int4 head 23.84; the int8 head costs ~12 %
+of int4 decode speed (31.4 vs 35.6 tok/s, 1 thread, shared machine).
+
+Kernels (torch's CPU weight-only GEMMs). The activations enter the kernel in bf16 and its output
+is cast back to fp32: in torch 2.13 both kernels are vectorized (AVX-512) only for bf16 inputs;
+with fp32 inputs they ran 20-40x SLOWER than the fp32 oneDNN linear (``benches/quant_kernels.py
+--act float32``). Everything outside the GEMMs (norms, RoPE, attention, residuals) stays fp32.
+* ``int8``: ``aten._weight_int8pack_mm`` with symmetric per-output-channel scales
+  (``w ~= q * s``, q in [-127, 127]).
+* ``int4``: ``aten._weight_int4pack_mm_for_cpu``, asymmetric per group of ``group_size`` input
+  columns (``w ~= (q - 8) * s + z``, q in [0, 15], z = min + 8 s). With group 32 this is GGUF
+  Q4_1's own layout (block 32, ``w = q d + m``): requantizing a Q4_1 tensor's dequantized values
+  gives back its codes, so ``int4`` on a Q4_1 file reproduces the file's weights.
+
+Batch invariance: both kernels compute a row's outputs from that row alone once the row count
+is padded to a multiple of 4 (``LlamaForCausalLM.forward`` / ``compute_logits`` do it for every
+GEMM); measured per kernel and shape by ``benches/quant_kernels.py`` and enforced by
+``tests/test_batch_invariance.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenbudget.engine.model.layers import Linear
+
+QUANTIZATIONS = ("none", "int8", "int4")
+LM_HEAD_MODE = "int8"
+INT4_GROUP_SIZE = 32       # GGUF Q4_0/Q4_1 block size
+_INT4_INNER_K_TILES = 2    # the packing layout expected by the CPU int4 kernel
+
+
+def _int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scales.contiguous()
+
+
+def _int4_groupwise(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [N, K]`` -> (packed weight, scales_and_zeros ``[K / group, Np, 2]``); the kernel needs
+    N a multiple of 16, so N is padded with zero rows to ``Np`` (the caller drops those outputs)."""
+    w = torch.nn.functional.pad(w, (0, 0, 0, -w.shape[0] % 16))
+    n, k = w.shape
+    g = w.reshape(n, k // group, group)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    scales = ((hi - lo) / 15.0).clamp(min=1e-12)
+    q = torch.round((g - lo) / scales).clamp_(0, 15).to(torch.int32).reshape(n, k)
+    zeros = lo + 8.0 * scales
+    sz = torch.cat([scales, zeros], -1).transpose(0, 1).contiguous()  # [K/g, N, 2]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), _INT4_INNER_K_TILES)
+    return packed, sz
+
+
+class QuantLinear:
+    """``y = x @ dequant(Wq).T + b`` with a packed weight-only quantized ``Wq`` (see module doc)."""
+
+    __slots__ = ("act_dtype", "bias", "group_size", "mode", "out_features", "packed", "scales")
+
+    def __init__(self, mode: str, packed: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None, group_size: int, act_dtype: torch.dtype, out_features: int):
+        self.mode, self.packed, self.bias, self.out_features = mode, packed, bias, out_features
+        self.scales = scales.to(act_dtype)  # the kernels take scales in the activation dtype
+        self.group_size, self.act_dtype = group_size, act_dtype
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, mode: str, bias: torch.Tensor | None = None,
+                   group_size: int = INT4_GROUP_SIZE,
+                   act_dtype: torch.dtype = torch.bfloat16) -> QuantLinear:
+        w = weight.detach().float()
+        n, k = w.shape
+        if mode == "int8":
+            q, s = _int8_per_channel(w)
+            return cls(mode, q, s, bias, 0, act_dtype, n)
+        if mode == "int4":
+            if k % group_size or group_size not in (32, 64, 128, 256):
+                raise ValueError(f"int4 needs in_features ({k}) divisible by group_size ({group_size})")
+            packed, sz = _int4_groupwise(w, group_size)
+            return cls(mode, packed, sz, bias, group_size, act_dtype, n)
+        raise ValueError(f"quantization must be one of {'/'.join(QUANTIZATIONS[1:])}, got {mode!r}")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out_dtype = x.dtype
+        x = x.to(self.act_dtype).contiguous()
+        if self.mode == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x, self.packed, self.scales)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales)
+            y = y[:, :self.out_features]
+        y = y.to(out_dtype)
+        return y if self.bias is None else y + self.bias
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales))
+
+
+def quantize_model(model, mode: str):
+    """Swap every ``Linear`` of ``model`` (a built ``LlamaForCausalLM`` on the CPU, fp32) for a
+    ``QuantLinear`` in place and return it; ``none`` returns it unchanged."""
+    if mode not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {'/'.join(QUANTIZATIONS)}, got {mode!r}")
+    if mode == "none":
+        return model
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        raise ValueError(f"quantization={mode!r} needs the CPU fp32 model (device cpu, dtype float32), "
+                         f"got {model.device.type}/{model.dtype}")
+
+    def q(lin: Linear, m: str = mode) -> QuantLinear:
+        return QuantLinear.from_float(lin.weight, m, lin.bias)
+
+    for lw in model.layers:
+        lw.qkv, lw.o, lw.gate_up, lw.down = q(lw.qkv), q(lw.o), q(lw.gate_up), q(lw.down)
+    model.lm_head = q(model.lm_head, LM_HEAD_MODE)
+    model.quantization = mode
+    return model
