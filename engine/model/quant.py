@@ -87,6 +87,10 @@ class QuantLinear:
             return cls(mode, packed, sz, bias, group_size, act_dtype, n)
         raise ValueError(f"quantization must be one of {'/'.join(QUANTIZATIONS[1:])}, got {mode!r}")
 
+    def fp32_out(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits in fp32 (the lm_head's call, like ``Linear.fp32_out``)."""
+        return self(x).float()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = x.dtype
         x = x.to(self.act_dtype).contiguous()

@@ -21,9 +21,30 @@ from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingPa
 
 # OpenAI fields not mapped yet (the sampling-parity work adds them to SamplingParams), with the
 # value that means "not used".
-NOT_MAPPED: dict[str, Any] = {"n": 1, "response_format": None, "best_of": None, "echo": False, "suffix": None,
+NOT_MAPPED: dict[str, Any] = {"best_of": None, "echo": False, "suffix": None,
                               "tools": None, "tool_choice": None, "parallel_tool_calls": None}
-_NEUTRAL_RESPONSE_FORMAT = {"type": "text"}
+
+
+def _structured_outputs(response_format: dict[str, Any] | None):
+    """OpenAI's ``response_format`` as ``StructuredOutputsParams`` (None for plain text):
+    ``{"type": "json_schema", "json_schema": {"schema": {...}, ...}}`` or ``{"type": "json_object"}``."""
+    from tokenbudget.engine.structured.params import StructuredOutputsParams
+
+    kind = (response_format or {}).get("type", "text")
+    try:
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ValueError("response_format.json_schema.schema must be a JSON schema object")
+            return StructuredOutputsParams(json=spec["schema"])
+    except ValueError as exc:
+        raise ProtocolError(f"response_format: {exc}", "response_format") from None
+    raise ProtocolError(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                        "response_format")
 
 
 class ProtocolError(ValueError):
@@ -67,7 +88,7 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     repetition_penalty: float | None = None
-    n: int | None = 1  # NOT_MAPPED
+    n: int | None = 1  # > 1: non-streaming only, for now
 
 
 class CompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
@@ -147,7 +168,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
 def _check_not_mapped(req: _Common) -> None:
     for name, neutral in NOT_MAPPED.items():
         value = getattr(req, name, neutral)
-        if value is None or value == neutral or (name == "response_format" and value == _NEUTRAL_RESPONSE_FORMAT):
+        if value is None or value == neutral:
             continue
         raise ProtocolError(f"{name} is not supported yet (got {value!r})", name)
 
@@ -178,6 +199,13 @@ def to_sampling_params(req: _Common, stream: bool) -> SamplingParams:
             opts[name] = value
     if req.speculative is not None and req.speculative.num_speculative_tokens != "auto":
         opts["num_speculative_tokens"] = req.speculative.num_speculative_tokens
+    if req.n is not None and req.n != 1:
+        if stream and req.n > 1:
+            raise ProtocolError("n > 1 is not supported with stream=true yet", "n")
+        opts["n"] = req.n
+    structured = _structured_outputs(getattr(req, "response_format", None))
+    if structured is not None:
+        opts["structured_outputs"] = structured
     opts["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     try:
         return SamplingParams(**opts)

@@ -73,20 +73,21 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]] | Non
 
 def completion_object(rid: str, created: int, model: str, out: RequestOutput, n_logprobs: int,
                       text: TokenText) -> dict:
-    c = out.outputs[0]
+    """One choice per completion (``n``), in index order; usage counts them all."""
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": c.text, "finish_reason": c.finish_reason,
-                         "logprobs": completion_logprobs(c.token_ids, c.logprobs, n_logprobs, text)}],
-            "usage": usage(len(out.prompt_token_ids), len(c.token_ids), out.metrics)}
+            "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+                         "logprobs": completion_logprobs(c.token_ids, c.logprobs, n_logprobs, text)}
+                        for c in out.outputs],
+            "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.metrics)}
 
 
 def chat_object(rid: str, created: int, model: str, out: RequestOutput, n_logprobs: int, text: TokenText) -> dict:
-    c = out.outputs[0]
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
+            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                          "finish_reason": c.finish_reason,
-                         "logprobs": chat_logprobs(c.token_ids, c.logprobs, n_logprobs, text)}],
-            "usage": usage(len(out.prompt_token_ids), len(c.token_ids), out.metrics)}
+                         "logprobs": chat_logprobs(c.token_ids, c.logprobs, n_logprobs, text)}
+                        for c in out.outputs],
+            "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.metrics)}
 
 
 def completion_chunk(rid: str, created: int, model: str, out: RequestOutput, n_logprobs: int, text: TokenText,
