@@ -1,8 +1,9 @@
 """Row-wise building blocks for the Llama family, written for batch invariance.
 
 Every op here is either elementwise or row-wise, or a GEMM whose row count is padded to a
-multiple of :data:`ROW_MULTIPLE` by the caller (``LlamaForCausalLM.forward`` pads the flat batch
-once). See ``engine/model/llama.py`` for the measurements behind it.
+multiple of the GEMM's ``row_multiple`` by the caller (``LlamaForCausalLM.forward`` pads the flat
+batch once, to the largest multiple among its linears). See ``engine/model/llama.py`` for the
+measurements behind it.
 """
 
 from __future__ import annotations
@@ -12,16 +13,19 @@ import os
 import torch
 import torch.nn.functional as F
 
-ROW_MULTIPLE = 4
+ROW_MULTIPLE = 4  # float GEMMs (MKL / oneDNN): rows are invariant only in multiples of 4
 
 
-def pad_rows(n: int) -> int:
-    """Padded row count: the smallest multiple of ROW_MULTIPLE >= n (and >= ROW_MULTIPLE)."""
-    return max(ROW_MULTIPLE, -(-n // ROW_MULTIPLE) * ROW_MULTIPLE)
+def pad_rows(n: int, multiple: int = ROW_MULTIPLE) -> int:
+    """Padded row count: the smallest multiple of ``multiple`` >= n (and >= ``multiple``)."""
+    return max(multiple, -(-n // multiple) * multiple)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF LlamaRMSNorm: normalise in fp32, cast back, then scale."""
+    """HF LlamaRMSNorm: normalise in fp32, cast back, then scale. fp32 activations take torch's
+    fused kernel (one op instead of seven; row-wise, so batch-invariant; same bits here)."""
+    if x.dtype == torch.float32:
+        return torch.rms_norm(x, weight.shape, weight, eps)
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -56,6 +60,7 @@ class Linear:
     """``y = x @ W.T + b`` through oneDNN with a prepacked weight when available."""
 
     __slots__ = ("weight", "bias", "packed", "invariant", "_fp32")
+    row_multiple = ROW_MULTIPLE
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias

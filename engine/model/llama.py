@@ -33,7 +33,8 @@ requests. Findings:
 Chosen approach: all linears go through oneDNN prepacked weights (``layers.Linear``; F.linear
 fallback elsewhere), ``forward`` pads the flat batch to ``pad_rows(T)`` rows (a multiple of 4;
 padding tokens: id 0, position 0, no KV write, output dropped) and ``compute_logits`` pads its rows
-likewise. Measured, SmolLM2-135M-shaped fp32 random model, batch-1 decode, 1 thread, shared
+likewise (``row_multiple``; a quantized model's kernels are invariant at any row count, so it
+sets 1 and is not padded: ``engine/model/quant.py``). Measured, SmolLM2-135M-shaped fp32 random model, batch-1 decode, 1 thread, shared
 2-core box: MKL unpadded 23.5 tok/s (not invariant), MKL padded to 4: 14.2 tok/s, oneDNN padded
 to 4 (chosen): 32.7-34.6 tok/s, oneDNN unpadded 39.5 tok/s (not invariant). So invariance costs
 ~15% against the fastest non-invariant path and is 1.4x faster than the MKL baseline.
@@ -112,6 +113,8 @@ class LlamaForCausalLM(torch.nn.Module):
             self.lm_head = Linear(state_dict["lm_head.weight"].to(dtype=dtype, device=device).contiguous())
         self.rope = RotaryTable(self.head_dim, config.rope_theta, config.rope_scaling,
                                 config.max_position_embeddings, dtype, device)
+        # Rows of every GEMM are padded to this multiple (batch invariance; module doc).
+        self.row_multiple = Linear.row_multiple
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
 
@@ -119,7 +122,7 @@ class LlamaForCausalLM(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         t = input_ids.shape[0]
-        tp = pad_rows(t)
+        tp = pad_rows(t, self.row_multiple)
         if tp != t:  # batch invariance: every GEMM sees a multiple-of-4 row count
             input_ids = F.pad(input_ids, (0, tp - t))
             positions = F.pad(positions, (0, tp - t))
@@ -130,8 +133,8 @@ class LlamaForCausalLM(torch.nn.Module):
         for lw, kv_cache in zip(self.layers, kv_caches):
             hs = rms_norm(x, lw.input_norm, self.eps)
             qkv = lw.qkv(hs)
-            q = self.rope.apply(qkv[:, :q_size].view(tp, h, d), cos, sin)
-            k = self.rope.apply(qkv[:, q_size:q_size + kv_size].view(tp, hk, d), cos, sin)
+            qk = self.rope.apply(qkv[:, :q_size + kv_size].view(tp, h + hk, d), cos, sin)
+            q, k = qk[:, :h], qk[:, h:]
             v = qkv[:, q_size + kv_size:].view(tp, hk, d)
             backend.write_kv(k, v, kv_cache, attn_metadata)
             attn = backend.attend(q, kv_cache, attn_metadata)
@@ -143,7 +146,7 @@ class LlamaForCausalLM(torch.nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [S, H]`` -> fp32 logits ``[S, V]`` (rows padded like ``forward``)."""
         s = hidden.shape[0]
-        sp = pad_rows(s)
+        sp = pad_rows(s, self.row_multiple)
         if sp != s:
             hidden = F.pad(hidden, (0, 0, 0, sp - s))
         return self.lm_head.fp32_out(hidden.contiguous())[:s]

@@ -98,14 +98,17 @@ class RotaryTable:
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * scaling).to(dtype=dtype, device=device)
-        self.sin = (emb.sin() * scaling).to(dtype=dtype, device=device)
+        # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]: the sign lives in the table.
+        sin = emb.sin() * scaling
+        sin[:, :head_dim // 2].neg_()
+        self.sin = sin.to(dtype=dtype, device=device)
         self.half = head_dim // 2
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions [T]`` -> cos, sin ``[T, 1, head_dim]`` (broadcast over heads)."""
+        """``positions [T]`` -> cos, signed sin ``[T, 1, head_dim]`` (broadcast over heads)."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x [T, heads, head_dim]``: ``x * cos + rotate_half(x) * sin`` (HF's formula)."""
-        x1, x2 = x[..., :self.half], x[..., self.half:]
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+        """``x [T, heads, head_dim]``: HF's ``x * cos + rotate_half(x) * sin`` in three ops (q and
+        k heads go through one call)."""
+        return torch.addcmul(x * cos, torch.roll(x, self.half, -1), sin)

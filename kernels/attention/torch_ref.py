@@ -25,6 +25,15 @@ invariant:
   256 keys (negligible next to the linear layers).
 
 Math is done in fp32 whatever the cache dtype (bf16 inputs are upcast).
+
+Cost (the CPU decode path runs this 30 times a token on the default model): everything that does
+not depend on the layer is built once per step in :meth:`build_metadata` -- the flat cache rows
+of each request's keys, the additive causal mask (0 / -inf), zero-padded fp32 work buffers laid
+out ``[Hk, np, D]`` / ``[Hk, np, D + 1]`` with the ones column already set -- so a layer only
+gathers its keys and values into the buffers (the padding stays zero), scores with one
+``baddbmm`` (scale and mask folded in), and does max / exp / one P @ [V | 1] GEMM per key tile.
+Measured on the default model's shape, one decode row at 170 keys, 2 threads: 228 us -> see
+``benches/RESULTS.md`` (CPU decode overhead).
 """
 
 from __future__ import annotations
@@ -53,103 +62,133 @@ def padded_kv_len(kv_len: int) -> int:
 
 
 @dataclass(slots=True)
+class _Tile:
+    """Query rows ``[r0, r1)`` of a request, laid out position-major: GEMM row ``r * G + gi`` is
+    query head ``gi`` of the kv head's group at position ``r0 + r``; rows padded to ``M``."""
+
+    r0: int
+    r1: int
+    qbuf: torch.Tensor     # [Hk, M, D] fp32, padding rows zero; M = round_up(G * (r1 - r0), 4)
+    bias: torch.Tensor     # [M, np] fp32: 0 where the key is visible, -inf elsewhere
+
+
+@dataclass(slots=True)
 class _ReqPlan:
+    """One request's layer-independent attention state, reused by every layer of the step."""
+
     q_start: int
     q_len: int
     kv_len: int
-    np: int
-    blocks: torch.Tensor   # [ceil(kv_len / block_size)] block ids, int64
-    allowed: torch.Tensor  # [round_up(q_len, 4), np] bool, bottom-right causal & j < kv_len
+    k_rows: torch.Tensor   # [kv_len] int64: rows of the flat cache view holding its keys
+    kbuf: torch.Tensor     # [Hk, np, D] fp32, keys past kv_len zero
+    vbuf: torch.Tensor     # [Hk, np, D + 1] fp32, [..., :kv_len, D] = 1, rest of the padding zero
+    tiles: list[_Tile]
 
 
 @dataclass(slots=True)
 class TorchRefData:
     plans: list[_ReqPlan]
-    write_blk: torch.Tensor  # [num_tokens] int64
-    write_off: torch.Tensor  # [num_tokens] int64
+    write_rows: torch.Tensor  # [num_tokens] int64: flat cache-view rows of the new tokens' keys
+
+
+def _flat(kv_cache: torch.Tensor) -> torch.Tensor:
+    """``[num_blocks, 2, block_size, Hk, D]`` -> ``[num_blocks * 2 * block_size, Hk, D]``: the key
+    of slot (b, o) is row ``(2 b) * block_size + o``, its value ``block_size`` rows further."""
+    return kv_cache.view(-1, kv_cache.shape[-2], kv_cache.shape[-1])
 
 
 class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
 
+    def _cache_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        bs = self.spec.block_size
+        return torch.div(slots, bs, rounding_mode="floor") * (2 * bs) + slots % bs
+
     def build_metadata(self, qo_indptr: list[int], kv_lens: list[int],
                        block_tables: list[list[int]], slot_mapping: torch.Tensor) -> AttentionMetadata:
-        bs = self.spec.block_size
+        spec, bs = self.spec, self.spec.block_size
         check_metadata_inputs(qo_indptr, kv_lens, block_tables, bs)
         num_tokens = qo_indptr[-1]
         if slot_mapping.shape[0] != num_tokens:
             raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries, expected {num_tokens}")
         dev = self.device
+        hk, d = spec.num_kv_heads, spec.head_dim
+        g = spec.num_heads // hk
         slots = slot_mapping.to(device=dev, dtype=torch.long)
         plans = []
         for b, kv_len in enumerate(kv_lens):
             q_start, q_len = qo_indptr[b], qo_indptr[b + 1] - qo_indptr[b]
             np_ = padded_kv_len(kv_len)
-            mp = _round_up(q_len, ROW_PAD)
-            i = torch.arange(mp, device=dev).unsqueeze(1)
-            j = torch.arange(np_, device=dev).unsqueeze(0)
-            allowed = (j <= i + (kv_len - q_len)) & (j < kv_len)
-            nblk = -(-kv_len // bs)
-            blocks = torch.tensor(block_tables[b][:nblk], dtype=torch.long, device=dev)
-            plans.append(_ReqPlan(q_start, q_len, kv_len, np_, blocks, allowed))
-        data = TorchRefData(plans, torch.div(slots, bs, rounding_mode="floor"), slots % bs)
+            pos = torch.arange(kv_len, device=dev)
+            blocks = torch.tensor(block_tables[b][:-(-kv_len // bs)], dtype=torch.long, device=dev)
+            k_rows = self._cache_rows(blocks[pos // bs] * bs + pos % bs)
+            vbuf = torch.zeros(hk, np_, d + 1, device=dev)
+            vbuf[:, :kv_len, d] = 1.0
+            tiles = [self._tile(r0, min(r0 + Q_TILE, q_len), q_len, kv_len, np_)
+                     for r0 in range(0, q_len, Q_TILE)]
+            plans.append(_ReqPlan(q_start, q_len, kv_len, k_rows, torch.zeros(hk, np_, d, device=dev), vbuf, tiles))
+        data = TorchRefData(plans, self._cache_rows(slots))
         return AttentionMetadata(list(qo_indptr), list(kv_lens), block_tables, slots,
                                  num_tokens, data, self)
 
+    def _tile(self, r0: int, r1: int, q_len: int, kv_len: int, np_: int) -> _Tile:
+        hk, d = self.spec.num_kv_heads, self.spec.head_dim
+        g = self.spec.num_heads // hk
+        m = _round_up(g * (r1 - r0), ROW_PAD)
+        dev = self.device
+        i = (r0 + torch.arange(m, device=dev) // g).clamp_(max=q_len - 1).unsqueeze(1)  # padding: last row
+        j = torch.arange(np_, device=dev).unsqueeze(0)
+        allowed = (j <= i + (kv_len - q_len)) & (j < kv_len)
+        bias = torch.zeros(m, np_, device=dev).masked_fill_(~allowed, float("-inf"))
+        return _Tile(r0, r1, torch.zeros(hk, m, d, device=dev), bias)
+
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  metadata: AttentionMetadata) -> None:
-        d: TorchRefData = metadata.backend_data
-        n = metadata.num_tokens
-        kv_cache[d.write_blk, 0, d.write_off] = k[:n].to(kv_cache.dtype)
-        kv_cache[d.write_blk, 1, d.write_off] = v[:n].to(kv_cache.dtype)
+        rows, n = metadata.backend_data.write_rows, metadata.num_tokens
+        flat = _flat(kv_cache)
+        flat.index_copy_(0, rows, k[:n].to(kv_cache.dtype))
+        flat.index_copy_(0, rows + self.spec.block_size, v[:n].to(kv_cache.dtype))
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor,
                metadata: AttentionMetadata) -> torch.Tensor:
-        out = q.new_zeros(q.shape)
-        k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]
+        n = metadata.num_tokens
+        out = torch.empty_like(q)
+        out[n:].zero_()
+        flat = _flat(kv_cache)
         for p in metadata.backend_data.plans:
-            out[p.q_start:p.q_start + p.q_len] = self._attend_one(q, k_cache, v_cache, p)
+            out[p.q_start:p.q_start + p.q_len] = self._attend_one(q, flat, p)
         return out
 
-    def _attend_one(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    p: _ReqPlan) -> torch.Tensor:
-        hk, d = self.spec.num_kv_heads, self.spec.head_dim
-        kv_len, np_ = p.kv_len, p.np
-        k = k_cache[p.blocks].view(-1, hk, d)[:kv_len]
-        v = v_cache[p.blocks].view(-1, hk, d)[:kv_len]
-        kp = torch.zeros(np_, hk, d, dtype=torch.float32, device=q.device)
-        kp[:kv_len] = k
-        vp = torch.zeros(np_, hk, d + 1, dtype=torch.float32, device=q.device)
-        vp[:kv_len, :, :d] = v
-        vp[:kv_len, :, d] = 1.0
-        k_t = kp.permute(1, 2, 0)                       # [Hk, D, np]
-        nt, tile = np_ // KEY_TILE, KEY_TILE
-        v_tiles = vp.view(nt, tile, hk, d + 1).permute(2, 0, 1, 3).reshape(hk * nt, tile, d + 1)
+    def _attend_one(self, q: torch.Tensor, flat: torch.Tensor, p: _ReqPlan) -> torch.Tensor:
+        hk, d, kv_len = self.spec.num_kv_heads, self.spec.head_dim, p.kv_len
+        g = self.spec.num_heads // hk
+        p.kbuf[:, :kv_len] = flat.index_select(0, p.k_rows).transpose(0, 1)
+        p.vbuf[:, :kv_len, :d] = flat.index_select(0, p.k_rows + self.spec.block_size).transpose(0, 1)
+        k_t = p.kbuf.transpose(1, 2)                          # [Hk, D, np]
+        nt = p.kbuf.shape[1] // KEY_TILE
+        v_tiles = p.vbuf.view(hk * nt, KEY_TILE, d + 1)       # tile t of head h: row h * nt + t
         outs = []
-        for r0 in range(0, p.q_len, Q_TILE):
-            r1 = min(r0 + Q_TILE, p.q_len)
-            outs.append(self._rows(q[p.q_start + r0:p.q_start + r1], k_t, v_tiles,
-                                   p.allowed[r0:_round_up(r1, ROW_PAD)], nt, tile))
+        for t in p.tiles:
+            rows = t.r1 - t.r0
+            qt = q[p.q_start + t.r0:p.q_start + t.r1].view(rows, hk, g, d)
+            t.qbuf[:, :rows * g].view(hk, rows, g, d).copy_(qt.permute(1, 0, 2, 3))
+            o = self._rows(t.qbuf, k_t, v_tiles, t.bias, nt)
+            outs.append(o[:, :rows * g].view(hk, rows, g, d).permute(1, 0, 2, 3).reshape(rows, hk * g, d))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _rows(self, q: torch.Tensor, k_t: torch.Tensor, v_tiles: torch.Tensor,
-              allowed: torch.Tensor, nt: int, tile: int) -> torch.Tensor:
-        h, hk, d = self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
-        g = h // hk
-        ql, mp = q.shape[0], allowed.shape[0]
-        qp = torch.zeros(mp, h, d, dtype=torch.float32, device=q.device)
-        qp[:ql] = q
-        qg = qp.view(mp, hk, g, d).permute(1, 2, 0, 3).reshape(hk, g * mp, d)
-        s = torch.bmm(qg, k_t).mul_(self.spec.softmax_scale).view(hk, g, mp, -1)
-        s.masked_fill_(~allowed, float("-inf"))
-        s = s.sub_(s.amax(-1, keepdim=True)).exp_().view(hk, g * mp, nt, tile)
+    def _rows(self, qg: torch.Tensor, k_t: torch.Tensor, v_tiles: torch.Tensor, bias: torch.Tensor,
+              nt: int) -> torch.Tensor:
+        """``qg [Hk, M, D]`` -> ``[Hk, M, D]``: softmax(scale q k^T + bias) @ V, the denominator from
+        the ones column of V (same GEMM), key tiles summed in order."""
+        hk, m, d = qg.shape
+        s = torch.baddbmm(bias, qg, k_t, alpha=self.spec.softmax_scale)    # [Hk, M, np]
+        s = s.sub_(s.amax(-1, keepdim=True)).exp_()
         if nt == 1:
-            acc = torch.bmm(s.view(hk, g * mp, tile), v_tiles)
+            acc = torch.bmm(s, v_tiles)
         else:
-            pt = s.permute(0, 2, 1, 3).reshape(hk * nt, g * mp, tile)
-            o = torch.bmm(pt, v_tiles).view(hk, nt, g * mp, d + 1)
+            pt = s.view(hk, m, nt, KEY_TILE).permute(0, 2, 1, 3).reshape(hk * nt, m, KEY_TILE)
+            o = torch.bmm(pt, v_tiles).view(hk, nt, m, d + 1)
             acc = o[:, 0]
             for t in range(1, nt):
                 acc = acc + o[:, t]
-        o = acc[..., :d] / acc[..., d:]
-        return o.view(hk, g, mp, d).permute(2, 0, 1, 3).reshape(mp, h, d)[:ql]
+        return acc[..., :d] / acc[..., d:]
