@@ -38,12 +38,11 @@ PROMPT = [1, 17, 42, 5, 9, 33, 12, 7]
 
 
 def load_tokenizer():
-    import gguf
 
     from tokenbudget.engine.loader import default_model
     from tokenbudget.engine.loader.gguf_loader import read_gguf_metadata
     from tokenbudget.engine.text.tokenizer import Tokenizer
-    return Tokenizer.from_gguf_metadata(read_gguf_metadata(gguf.GGUFReader(default_model.default_model_path())))
+    return Tokenizer.from_gguf_metadata(read_gguf_metadata(default_model.default_model_path()))
 
 
 def build_core(tokenizer, num_tokens: int) -> EngineCore:

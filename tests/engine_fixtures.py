@@ -31,7 +31,7 @@ def default_target():
     from tokenbudget.engine.loader import LoadedModel
     from tokenbudget.engine.loader.target import build_target
     base = default_loaded()
-    copy = LoadedModel(base.config, dict(base.state_dict), base.tokenizer, base.source)
+    copy = LoadedModel(base.config, dict(base.state_dict), base.tokenizer, base.source, base.weight_type)
     return build_target(copy, torch.float32, torch.device("cpu"))
 
 

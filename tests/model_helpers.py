@@ -44,8 +44,6 @@ def hf_llama_from_loaded(loaded):
 
 def smollm2_gguf_tokenizer():
     """The default model's tokenizer read from its GGUF metadata (skips when unavailable)."""
-    import gguf
-
     from tokenbudget.engine.loader import default_model as dm
     from tokenbudget.engine.loader.gguf_loader import read_gguf_metadata
     from tokenbudget.engine.text.tokenizer import Tokenizer
@@ -53,7 +51,7 @@ def smollm2_gguf_tokenizer():
         path = dm.default_model_path()
     except RuntimeError as exc:
         pytest.skip(f"default model unavailable: {exc}")
-    return Tokenizer.from_gguf_metadata(read_gguf_metadata(gguf.GGUFReader(path)))
+    return Tokenizer.from_gguf_metadata(read_gguf_metadata(path))
 
 
 def scheduled(req, nc: int, n: int, token_ids, spec, table, needs_sample: bool | None = None):

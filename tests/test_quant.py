@@ -64,7 +64,7 @@ def quant_target(request):
     from tokenbudget.engine.loader import LoadedModel
     from tokenbudget.engine.loader.target import build_target
     base = default_loaded()
-    copy = LoadedModel(base.config, dict(base.state_dict), base.tokenizer, base.source)
+    copy = LoadedModel(base.config, dict(base.state_dict), base.tokenizer, base.source, base.weight_type)
     return build_target(copy, torch.float32, torch.device("cpu"), request.param)
 
 

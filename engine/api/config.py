@@ -12,9 +12,6 @@ from typing import Any, Literal
 
 import msgspec
 
-DEFAULT_KV_CACHE_MEMORY = 512 * 1024 * 1024
-
-
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str | None = None  # HF directory or .gguf file; None = SmolLM2-135M-Instruct
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on CUDA
@@ -24,7 +21,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     quantization: Literal["auto", "none", "int8", "int4"] = "auto"
     max_model_len: int | None = None  # None: the model's context, capped by the KV pool
     block_size: int = 16
-    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY
+    # KV pool size; None = sized from the model and the machine at start-up
+    # (engine/worker/kv_cache_alloc.py: max_num_seqs full contexts, capped at 1/4 of the available
+    # memory and 4 GiB on the CPU, where the pool only becomes resident as it fills)
+    kv_cache_memory_bytes: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
@@ -46,11 +46,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_queued_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("max_model_len", "num_threads", "max_queued_requests", "max_queued_tokens"):
+        for name in ("max_model_len", "num_threads", "max_queued_requests", "max_queued_tokens",
+                     "kv_cache_memory_bytes"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")

@@ -19,8 +19,10 @@ from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.structured.manager import StructuredOutputs
 from tokenbudget.engine.worker.kv_cache_alloc import (
     allocate_kv_caches,
+    default_kv_cache_bytes,
     num_blocks_for_budget,
 )
+from tokenbudget.engine.worker.host_memory import resident_memory_bytes
 from tokenbudget.engine.worker.model_runner import ModelRunner
 from tokenbudget.engine.worker.sampler import Sampler
 from tokenbudget.engine.worker.threads import set_torch_threads
@@ -68,8 +70,9 @@ def wire_engine(config: EngineConfig, target: TargetModel, spec_config: Speculat
     mcfg, model, device, dtype = target.config, target.model, target.device, target.dtype
     # A model drafter keeps its own KV cache over the same block ids: the budget pays for both.
     draft_share = _draft_kv_share(spec_config, mcfg)
-    num_blocks = num_blocks_for_budget(mcfg, config.block_size, dtype,
-                                       int(config.kv_cache_memory_bytes / (1.0 + draft_share)))
+    kv_bytes = config.kv_cache_memory_bytes or default_kv_cache_bytes(
+        mcfg, config.block_size, dtype, device, config.max_num_seqs, config.max_model_len)
+    num_blocks = num_blocks_for_budget(mcfg, config.block_size, dtype, int(kv_bytes / (1.0 + draft_share)))
     max_model_len = config.max_model_len or min(mcfg.max_position_embeddings, num_blocks * config.block_size)
     if max_model_len > mcfg.max_position_embeddings:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's context "
@@ -94,9 +97,11 @@ def wire_engine(config: EngineConfig, target: TargetModel, spec_config: Speculat
     core = EngineCore(scheduler, runner, speculator, OutputProcessor(target.tokenizer), structured=structured)
     gc.collect()
     gc.freeze()  # start-up objects (weights' Python wrappers, tokenizer) leave the GC's scans
-    logger.info("tokenbudget: %s on %s (%s, quantization=%s, %d threads), max_model_len=%d, %d KV blocks of %d tokens, "
-                "speculation=%s", target.source, device, str(dtype).removeprefix("torch."), target.quantization,
-                threads, max_model_len, num_blocks, config.block_size, spec_config.method if spec_config else "off")
+    rss = resident_memory_bytes()
+    logger.info("tokenbudget: %s on %s (%s, quantization=%s, %d threads), max_model_len=%d, %d KV blocks of %d tokens "
+                "(%.2f GiB), speculation=%s, RSS %s", target.source, device, str(dtype).removeprefix("torch."),
+                target.quantization, threads, max_model_len, num_blocks, config.block_size, kv_bytes / 2**30,
+                spec_config.method if spec_config else "off", f"{rss / 2**30:.2f} GiB" if rss else "n/a")
     return WiredEngine(core, target, spec_config)
 
 

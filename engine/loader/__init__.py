@@ -29,6 +29,7 @@ class LoadedModel:
     state_dict: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     source: str
+    weight_type: str | None = None  # GGUF: the type most block weights have ("Q4_1"); HF: None
 
 
 def load_model_files(model: str | os.PathLike[str] | None,
@@ -46,14 +47,16 @@ def load_model_files(model: str | os.PathLike[str] | None,
         from tokenbudget.engine.loader.hf_loader import load_hf_dir
 
         config, state_dict, tokenizer = load_hf_dir(path, dtype)
+        weight_type = None
     elif os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ValueError(f"model file {path!r} is not a .gguf file; pass a .gguf file or an HF directory")
         from tokenbudget.engine.loader.gguf_loader import load_gguf
 
-        config, state_dict, tokenizer = load_gguf(path, dtype)
+        config, state_dict, tokenizer, weight_type = load_gguf(path, dtype)
     else:
         raise FileNotFoundError(
             f"model {path!r} not found: pass a .gguf file or a Hugging Face directory "
             "(config.json + *.safetensors + tokenizer.json); hub names are not downloaded")
-    return LoadedModel(config=config, state_dict=state_dict, tokenizer=tokenizer, source=path)
+    return LoadedModel(config=config, state_dict=state_dict, tokenizer=tokenizer, source=path,
+                       weight_type=weight_type)

@@ -15,13 +15,14 @@ import re
 from typing import Any
 
 import torch
-from gguf import GGUFReader, GGUFValueType
 
 from tokenbudget.engine.loader.gguf_config import (
     gguf_metadata_to_config,
     llama3_rope_scaling_from_freqs,
 )
 from tokenbudget.engine.loader.gguf_dequant import dequantize_tensor
+from tokenbudget.engine.loader.gguf_file import GGUFFile, read_gguf
+from tokenbudget.engine.loader.weight_quant import block_weight_type
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.text.tokenizer import Tokenizer
 
@@ -41,24 +42,9 @@ _BLOCK_NAMES = {
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def _field_value(field: Any) -> Any:
-    """Decode one ReaderField to a Python value (str, int, float, bool or list of those)."""
-    if hasattr(field, "contents"):
-        return field.contents()
-    # Older gguf releases: rebuild from parts.
-    if field.types[0] == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
-    if field.types[0] == GGUFValueType.ARRAY:
-        if field.types[-1] == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-        return [field.parts[i].tolist()[0] for i in field.data]
-    return field.parts[field.data[0]].tolist()[0]
-
-
-def read_gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
-    """All key/value metadata of a GGUF file as Python values."""
-    return {name: _field_value(field) for name, field in reader.fields.items()
-            if not name.startswith("GGUF.")}
+def read_gguf_metadata(source: str | os.PathLike[str] | GGUFFile) -> dict[str, Any]:
+    """All key/value metadata of a GGUF file (a path or a parsed :class:`GGUFFile`) as Python values."""
+    return (source if isinstance(source, GGUFFile) else read_gguf(source)).metadata
 
 
 def gguf_tensor_name_to_hf(name: str) -> str | None:
@@ -81,15 +67,16 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
             .reshape(w.shape).contiguous())
 
 
-def load_gguf(path: str | os.PathLike[str],
-              dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Read ``path`` and return ``(config, state_dict, tokenizer)`` with HF names and layout.
+def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
+              ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, str | None]:
+    """Read ``path`` and return ``(config, state_dict, tokenizer, weight_type)`` with HF names and
+    layout; ``weight_type`` is the GGUF type most block weights have (``quantization=auto``).
 
     Raises ``NotImplementedError`` for an unsupported architecture, tensor type or tokenizer,
     ``ValueError`` for an unexpected tensor.
     """
-    reader = GGUFReader(os.fspath(path), "r")
-    meta = read_gguf_metadata(reader)
+    reader = read_gguf(path)
+    meta = reader.metadata
     arch = str(meta.get("general.architecture", ""))
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
@@ -121,5 +108,5 @@ def load_gguf(path: str | os.PathLike[str],
             n_head = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
             w = unpermute_qk(w, n_head)
         state_dict[hf_name] = w
-    return config, state_dict, tokenizer
+    return config, state_dict, tokenizer, block_weight_type(reader.tensors)
 

@@ -18,10 +18,8 @@ def kv_elements_per_token(model: str) -> int:
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         return cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim
-    from gguf import GGUFReader
-
     from tokenbudget.engine.loader.gguf_loader import read_gguf_metadata
-    meta = read_gguf_metadata(GGUFReader(model))
+    meta = read_gguf_metadata(model)
     arch = meta["general.architecture"]
     heads = int(meta[f"{arch}.attention.head_count"])
     head_dim = int(meta.get(f"{arch}.attention.key_length") or int(meta[f"{arch}.embedding_length"]) // heads)

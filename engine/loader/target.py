@@ -70,7 +70,7 @@ def build_target(loaded: LoadedModel, dtype: torch.dtype, device: torch.device,
     holds, see ``engine.loader.weight_quant``). The dict is emptied (its
     tensors now belong to the model or are freed), so a caller that keeps a ``LoadedModel``
     passes a copy."""
-    quantization = resolve_quantization(quantization, loaded.source, dtype, device)
+    quantization = resolve_quantization(quantization, loaded.source, dtype, device, loaded.weight_type)
     model = build_model(loaded.config, loaded.state_dict, dtype, device)
     loaded.state_dict.clear()
     quantize_model(model, quantization)
