@@ -47,8 +47,9 @@ def test_cpu_pool_is_resident_only_as_it_fills():
 def test_engine_reports_its_pool_and_rss(caplog):
     import logging
 
-    from engine_fixtures import default_target
     from tokenbudget import LLM
+
+    from engine_fixtures import default_target
     with caplog.at_level(logging.INFO, logger="tokenbudget"):
         LLM(default_target(), num_threads=1, max_num_seqs=2, max_model_len=256)
     line = next(r.getMessage() for r in caplog.records if "KV blocks" in r.getMessage())

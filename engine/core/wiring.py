@@ -17,12 +17,12 @@ from tokenbudget.engine.core.output_processor import OutputProcessor
 from tokenbudget.engine.loader.target import TargetModel, load_target_model
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.structured.manager import StructuredOutputs
+from tokenbudget.engine.worker.host_memory import resident_memory_bytes
 from tokenbudget.engine.worker.kv_cache_alloc import (
     allocate_kv_caches,
     default_kv_cache_bytes,
     num_blocks_for_budget,
 )
-from tokenbudget.engine.worker.host_memory import resident_memory_bytes
 from tokenbudget.engine.worker.model_runner import ModelRunner
 from tokenbudget.engine.worker.sampler import Sampler
 from tokenbudget.engine.worker.threads import set_torch_threads

@@ -113,7 +113,6 @@ class TorchRefBackend(AttentionBackend):
             raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries, expected {num_tokens}")
         dev = self.device
         hk, d = spec.num_kv_heads, spec.head_dim
-        g = spec.num_heads // hk
         slots = slot_mapping.to(device=dev, dtype=torch.long)
         plans = []
         for b, kv_len in enumerate(kv_lens):
