@@ -1,9 +1,10 @@
 """CPU weight-only quantized GEMM kernels vs the fp32 oneDNN path: speed and bitwise row invariance.
 
 For each linear shape of the default model (SmolLM2-135M: hidden 576, intermediate 1536, vocab
-49152) and each M in 1, 4, 5, 8, 64 (rows padded to a multiple of 4 like ``LlamaForCausalLM``):
-median ms per call, and whether every row of the padded M-row call equals, bit for bit, the same
-row computed alone (a 1-row input padded to 4). Kernels:
+49152) and each M in 1, 4, 5, 8, 64 (rows padded to the kernel's ``row_multiple`` like
+``LlamaForCausalLM``: 4 for fp32, none for the quantized kernels, whose rows are invariant at any
+M): median ms per call, and whether every row of the M-row call equals, bit for bit, the same row
+computed alone. Kernels:
   fp32    oneDNN prepacked fp32 linear (today's path, ``layers.Linear``)
   int8    ``aten._weight_int8pack_mm`` (int8 weight, per-output-channel fp32 scales)
   int4gG  ``aten._weight_int4pack_mm_for_cpu`` (asymmetric 4-bit, group size G)
@@ -39,7 +40,7 @@ def kernels(w: torch.Tensor, act: torch.dtype):
 
 def padded(fn, x: torch.Tensor) -> torch.Tensor:
     m = x.shape[0]
-    xp = torch.nn.functional.pad(x, (0, 0, 0, pad_rows(m) - m))
+    xp = torch.nn.functional.pad(x, (0, 0, 0, pad_rows(m, fn.row_multiple) - m))
     return fn(xp)[:m]
 
 
