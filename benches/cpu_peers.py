@@ -125,18 +125,24 @@ def main(argv=None) -> dict:
           f"(lengths {[len(p) for _, p in prompts]})", flush=True)
 
     runs = run_interleaved(runners, prompts, args)
-    table = summarise(modes, prompts, runs, args)
-    batch = batch_section(args, prompts, runners, tb_plain, hf) if args.batch_prompts > 0 else None
-    result = {"machine": {**machine_info(args.threads), "cpu": cpu_model(), "load_at_end": os.getloadavg()},
-              "versions": versions(), "args": vars(args), "command": command(argv), "skipped": skipped,
-              "model_path": model_path, "workloads": list(WORKLOADS),
-              "prompt_tokens": [len(p) for _, p in prompts], **table, "batch": batch}
+    result = {"machine": {**machine_info(args.threads), "cpu": cpu_model()}, "versions": versions(),
+              "args": vars(args), "command": command(argv), "skipped": skipped, "model_path": model_path,
+              "workloads": list(WORKLOADS), "prompt_tokens": [len(p) for _, p in prompts],
+              **summarise(modes, runs, args), "batch": None}
+    save(result, args)  # the batch section is long: keep the batch-1 table if it fails
+    if args.batch_prompts > 0:
+        result["batch"] = batch_section(args, prompts, runners, tb_plain, hf)
+        save(result, args)
+    return result
+
+
+def save(result: dict, args) -> None:
+    result["machine"]["load_at_end"] = os.getloadavg()
     result["markdown"] = markdown(result)
     write_json(args.json, result)
     if args.markdown:
         replace_section(os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"), TITLE,
                         result["markdown"])
-    return result
 
 
 def run_interleaved(runners: dict, prompts: list[tuple[str, list[int]]], args) -> dict[str, list[dict]]:
@@ -154,7 +160,8 @@ def run_interleaved(runners: dict, prompts: list[tuple[str, list[int]]], args) -
                 g = runners[m]([ids], args.max_new_tokens)
                 runs[m].append({"workload": workload, "prompt": i, "repeat": r, "prompt_tokens": len(ids),
                                 "tokens": g.num_tokens, "total_s": g.total_s, "ttft_s": g.ttft_s,
-                                "tok_s": g.e2e_tok_s, "token_ids": g.token_ids[0]})
+                                "tok_s": g.e2e_tok_s, "load1": os.getloadavg()[0],
+                                "token_ids": g.token_ids[0]})
             line = "  ".join(f"{m}={runs[m][-1]['tok_s']:.1f} (ttft {runs[m][-1]['ttft_s']:.2f})" for m in modes)
             print(f"[rep {r + 1} prompt {i + 1}/{len(prompts)} {workload}, {len(ids)} tokens, "
                   f"{time.perf_counter() - t_start:.0f}s] {line}", flush=True)
@@ -175,7 +182,7 @@ def equal_to_plain(mode: str, runs: dict[str, list[dict]]) -> tuple[int, int] | 
     return sum(same.values()), len(same)
 
 
-def summarise(modes: list[str], prompts, runs: dict[str, list[dict]], args) -> dict:
+def summarise(modes: list[str], runs: dict[str, list[dict]], args) -> dict:
     tok_s = {m: {w: median([r["tok_s"] for r in runs[m] if r["workload"] == w]) for w in WORKLOADS}
              for m in modes}
     ref = tok_s.get(REF)
@@ -225,7 +232,7 @@ def batch_section(args, prompts, runners: dict, tb_plain, hf) -> dict:
         else:
             g = runners["llamacpp-plain"](ids, n)
         cells[(engine, b)] = {"engine": engine, "max_batch": b, "tokens": g.num_tokens, "total_s": g.total_s,
-                              "tok_s": g.e2e_tok_s, "token_ids": g.token_ids}
+                              "tok_s": g.e2e_tok_s, "load1": os.getloadavg()[0], "token_ids": g.token_ids}
         print(f"  {engine} max batch {b}: {g.e2e_tok_s:.1f} tok/s ({g.num_tokens} tokens in {g.total_s:.1f}s)",
               flush=True)
     rows = []
