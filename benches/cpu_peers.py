@@ -96,6 +96,7 @@ def main(argv=None) -> dict:
     from tokenbudget.engine.loader.default_model import default_model_path
 
     torch.set_num_threads(args.threads)
+    machine = {**machine_info(args.threads), "cpu": cpu_model()}  # load average before any engine ran
     skipped = {e: r for e in ("llamacpp", "vllm") if (r := pe.missing_reason(e))}
     for engine, why in skipped.items():
         print(f"skipping {engine}: {why}" + (" (the bench never runs vLLM-CPU)" if engine == "vllm" else ""))
@@ -125,7 +126,7 @@ def main(argv=None) -> dict:
           f"(lengths {[len(p) for _, p in prompts]})", flush=True)
 
     runs = run_interleaved(runners, prompts, args)
-    result = {"machine": {**machine_info(args.threads), "cpu": cpu_model()}, "versions": versions(),
+    result = {"machine": machine, "versions": versions(),
               "args": vars(args), "command": command(argv), "skipped": skipped, "model_path": model_path,
               "workloads": list(WORKLOADS), "prompt_tokens": [len(p) for _, p in prompts],
               **summarise(modes, runs, args), "batch": None}
