@@ -28,7 +28,7 @@ decoding (the project's invariant): any difference is printed as a warning.
 
 Batch throughput (``--batch-prompts``, 0 skips it): that many prompts cycled from the ones above,
 ``--batch-max-new-tokens`` each, all submitted at once: tokenbudget with ``max_num_seqs`` = each
-``--max-batch`` (KV budget raised to hold them all when the 512 MB default cannot), transformers
+``--max-batch`` (its default KV pool, sized from ``max_num_seqs``; the pool's size is recorded), transformers
 in left-padded batches of that size, llama.cpp one prompt after another (llama-cpp-python has no
 batched generate). Output tok/s = all generated tokens / wall seconds.
 
@@ -132,7 +132,7 @@ def main(argv=None) -> dict:
               **summarise(modes, runs, args), "batch": None}
     save(result, args)  # the batch section is long: keep the batch-1 table if it fails
     if args.batch_prompts > 0:
-        result["batch"] = batch_section(args, prompts, runners, tb_plain, hf)
+        result["batch"] = batch_section(args, prompts, runners, hf)
         save(result, args)
     return result
 
@@ -209,20 +209,20 @@ def summarise(modes: list[str], runs: dict[str, list[dict]], args) -> dict:
     return {"modes": out, "table": {"headers": headers, "rows": rows}, "warnings": warnings}
 
 
-def batch_section(args, prompts, runners: dict, tb_plain, hf) -> dict:
+def batch_section(args, prompts, runners: dict, hf) -> dict:
     """Throughput on ``args.batch_prompts`` prompts at each max batch, per engine whose plain mode ran."""
     ids = [prompts[i % len(prompts)][1] for i in range(args.batch_prompts)]
     n = args.batch_max_new_tokens
-    kv = kv_budget(tb_plain.llm, ids, n)
     cells: dict[tuple[str, int], dict] = {}
     configs = [("tokenbudget", b) for b in args.max_batch if "tokenbudget-plain" in runners]
     configs += [("transformers", b) for b in args.max_batch if hf is not None and "transformers-plain" in runners]
     configs += [("llamacpp", 1)] if "llamacpp-plain" in runners else []
-    print(f"\nbatch throughput: {len(ids)} prompts, {n} new tokens each; tokenbudget KV budget {kv >> 20} MiB",
-          flush=True)
+    print(f"\nbatch throughput: {len(ids)} prompts, {n} new tokens each", flush=True)
+    kv = {}
     for engine, b in configs:
         if engine == "tokenbudget":
-            run = pe.TokenbudgetEngine("tokenbudget-plain", args.threads, max_num_seqs=b, kv_cache_memory_bytes=kv)
+            run = pe.TokenbudgetEngine("tokenbudget-plain", args.threads, max_num_seqs=b)
+            kv[b] = kv_pool_bytes(run.llm)
             run(ids[:2], 4)  # warm-up
             g = run(ids, n)
             del run
@@ -253,19 +253,18 @@ def batch_section(args, prompts, runners: dict, tb_plain, hf) -> dict:
     print_table(headers, rows)
     for k, v in ratios.items():
         print(f"  {k}: {v:.2f}x")
-    return {"prompts": len(ids), "max_new_tokens": n, "kv_cache_memory_bytes": kv, "ratios": ratios,
+    return {"prompts": len(ids), "max_new_tokens": n, "kv_pool_bytes": kv, "ratios": ratios,
             "cells": [{k: v for k, v in c.items() if k != "token_ids"} for c in cells.values()],
             "table": {"headers": headers, "rows": rows}}
 
 
-def kv_budget(llm, prompts: list[list[int]], n: int) -> int:
-    """KV bytes for every prompt at once (fp32 K and V, whole blocks), or the default if that is more."""
-    from tokenbudget.engine.api.config import DEFAULT_KV_CACHE_MEMORY
+def kv_pool_bytes(llm) -> int:
+    """Bytes of the engine's KV pool (its default: sized from ``max_num_seqs`` and the machine)."""
+    from tokenbudget.engine.worker.kv_cache_alloc import kv_cache_block_bytes
 
-    c, block = llm.engine.model_config, llm.engine.config.block_size
-    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.resolved_head_dim * 4
-    tokens = sum(-(-(len(p) + n + 1) // block) * block for p in prompts)
-    return max(DEFAULT_KV_CACHE_MEMORY, int(tokens * per_token * 1.1))
+    eng = llm.engine
+    return eng.scheduler.config.num_blocks * kv_cache_block_bytes(eng.model_config, eng.config.block_size,
+                                                                  eng.target.dtype)
 
 
 def cpu_model() -> str:
@@ -313,7 +312,8 @@ def markdown(res: dict) -> str:
     if b:
         text += (f"\nBatch throughput: {b['prompts']} prompts (cycled from the ones above), {b['max_new_tokens']} "
                  f"new tokens each, EOS ignored, all submitted at once; tokenbudget `max_num_seqs` = max batch "
-                 f"(KV budget {b['kv_cache_memory_bytes'] >> 20} MiB so all fit), transformers in left-padded "
+                 f"(default KV pool: {', '.join(f'{v / 2**30:.1f} GiB at {k}' for k, v in b['kv_pool_bytes'].items())}), "
+                 "transformers in left-padded "
                  "batches of that size, llama.cpp one prompt after another (llama-cpp-python has no batched "
                  "generate). One run each.\n\n" + markdown_table(b["table"]["headers"], b["table"]["rows"]) + "\n\n")
         text += "".join(f"* {k}: {r:.2f}x\n" for k, r in b["ratios"].items())
