@@ -34,8 +34,8 @@ Chosen approach: all linears go through oneDNN prepacked weights (``layers.Linea
 fallback elsewhere), ``forward`` pads the flat batch to ``pad_rows(T)`` rows (a multiple of 4;
 padding tokens: id 0, position 0, no KV write, output dropped) and ``compute_logits`` pads its rows
 likewise (``row_multiple``; a quantized model's kernels are invariant at any row count, so it
-sets 1 and is not padded: ``engine/model/quant.py``). Measured, SmolLM2-135M-shaped fp32 random model, batch-1 decode, 1 thread, shared
-2-core box: MKL unpadded 23.5 tok/s (not invariant), MKL padded to 4: 14.2 tok/s, oneDNN padded
+sets 1 and is not padded: ``engine/model/quant.py``). Measured, SmolLM2-135M-shaped fp32 random
+model, batch-1 decode, 1 thread, shared 2-core box: MKL unpadded 23.5 tok/s (not invariant), MKL padded to 4: 14.2 tok/s, oneDNN padded
 to 4 (chosen): 32.7-34.6 tok/s, oneDNN unpadded 39.5 tok/s (not invariant). So invariance costs
 ~15% against the fastest non-invariant path and is 1.4x faster than the MKL baseline.
 """
