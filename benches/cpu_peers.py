@@ -293,9 +293,9 @@ def command(argv: list[str]) -> str:
 
 def markdown(res: dict) -> str:
     a, m, v = res["args"], res["machine"], res["versions"]
-    text = (f"`{res['command']}` ({time.strftime('%Y-%m-%d')}; {m['cpus']}-core {m['cpu']}, **shared with "
-            f"another engineer's profiling and benchmarks** (load average {m['loadavg_at_start'][0]:.1f} at the "
-            f"start, {m['load_at_end'][0]:.1f} at the end); {a['threads']} threads each; torch {v['torch']}, "
+    text = (f"`{res['command']}` ({time.strftime('%Y-%m-%d')}; {m['cpus']}-core {m['cpu']}, load average "
+            f"{m['loadavg_at_start'][0]:.1f} at the start, {m['load_at_end'][0]:.1f} at the end (per-run loads in "
+            f"the JSON); {a['threads']} threads each; torch {v['torch']}, "
             f"transformers {v['transformers']}, llama-cpp-python {v['llama-cpp-python']}). SmolLM2-135M-Instruct, the "
             f"same Q4_1 GGUF for tokenbudget (default options: `quantization=\"auto\"` = int4) and llama.cpp, "
             f"fp32 weights for transformers; the same chat-templated prompt ids; greedy, batch 1, "
