@@ -73,7 +73,10 @@ class _Tile:
     r0: int
     r1: int
     qbuf: torch.Tensor     # [Hk, M, D] fp32, padding rows zero; M = round_up(G * (r1 - r0), 4)
-    bias: torch.Tensor     # [M, np] fp32: 0 where the key is visible, -inf elsewhere
+    # [M, np] fp32: 0 where the key is visible, -inf elsewhere. Built once per step for a request
+    # of one tile (decodes, verifies, chunks <= Q_TILE: the hot path); None for a longer prefill,
+    # whose tiles build it per layer (M x np per tile instead of q_len x np held for the step).
+    bias: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -104,9 +107,9 @@ def _flat(kv_cache: torch.Tensor) -> torch.Tensor:
 class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
 
-    def _cache_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        bs = self.spec.block_size
-        return torch.div(slots, bs, rounding_mode="floor") * (2 * bs) + slots % bs
+    def _cache_rows(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Rows of :func:`_flat` holding the keys at (block id, offset)."""
+        return blocks * (2 * self.spec.block_size) + offsets
 
     def build_metadata(self, qo_indptr: list[int], kv_lens: list[int],
                        block_tables: list[list[int]], slot_mapping: torch.Tensor) -> AttentionMetadata:
@@ -124,26 +127,29 @@ class TorchRefBackend(AttentionBackend):
             np_ = padded_kv_len(kv_len)
             pos = torch.arange(kv_len, device=dev)
             blocks = torch.tensor(block_tables[b][:-(-kv_len // bs)], dtype=torch.long, device=dev)
-            k_rows = self._cache_rows(blocks[pos // bs] * bs + pos % bs)
+            k_rows = self._cache_rows(blocks[pos // bs], pos % bs)
             vbuf = torch.zeros(hk, np_, d + 1, device=dev)
             vbuf[:, :kv_len, d] = 1.0
-            tiles = [self._tile(r0, min(r0 + Q_TILE, q_len), q_len, kv_len, np_)
+            tiles = [self._tile(r0, min(r0 + Q_TILE, q_len), q_len, kv_len, np_, q_len <= Q_TILE)
                      for r0 in range(0, q_len, Q_TILE)]
             plans.append(_ReqPlan(q_start, q_len, kv_len, k_rows, torch.zeros(hk, np_, d, device=dev), vbuf, tiles))
-        data = TorchRefData(plans, self._cache_rows(slots))
+        data = TorchRefData(plans, self._cache_rows(torch.div(slots, bs, rounding_mode="floor"), slots % bs))
         return AttentionMetadata(list(qo_indptr), list(kv_lens), block_tables, slots,
                                  num_tokens, data, self)
 
-    def _tile(self, r0: int, r1: int, q_len: int, kv_len: int, np_: int) -> _Tile:
+    def _tile(self, r0: int, r1: int, q_len: int, kv_len: int, np_: int, keep_bias: bool) -> _Tile:
         hk, d = self.spec.num_kv_heads, self.spec.head_dim
-        g = self.spec.num_heads // hk
-        m = _round_up(g * (r1 - r0), ROW_PAD)
-        dev = self.device
+        m = _round_up(self.spec.num_heads // hk * (r1 - r0), ROW_PAD)
+        bias = self._bias(r0, m, q_len, kv_len, np_) if keep_bias else None
+        return _Tile(r0, r1, torch.zeros(hk, m, d, device=self.device), bias)
+
+    def _bias(self, r0: int, m: int, q_len: int, kv_len: int, np_: int) -> torch.Tensor:
+        """``[m, np]``: 0 where GEMM row ``r * G + gi`` (position ``r0 + r``) sees the key, else -inf."""
+        g, dev = self.spec.num_heads // self.spec.num_kv_heads, self.device
         i = (r0 + torch.arange(m, device=dev) // g).clamp_(max=q_len - 1).unsqueeze(1)  # padding: last row
         j = torch.arange(np_, device=dev).unsqueeze(0)
         allowed = (j <= i + (kv_len - q_len)) & (j < kv_len)
-        bias = torch.zeros(m, np_, device=dev).masked_fill_(~allowed, float("-inf"))
-        return _Tile(r0, r1, torch.zeros(hk, m, d, device=dev), bias)
+        return torch.zeros(m, np_, device=dev).masked_fill_(~allowed, float("-inf"))
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  metadata: AttentionMetadata) -> None:
@@ -175,7 +181,9 @@ class TorchRefBackend(AttentionBackend):
             rows = t.r1 - t.r0
             qt = q[p.q_start + t.r0:p.q_start + t.r1].view(rows, hk, g, d)
             t.qbuf[:, :rows * g].view(hk, rows, g, d).copy_(qt.permute(1, 0, 2, 3))
-            o = self._rows(t.qbuf, k_t, v_tiles, t.bias, nt)
+            bias = t.bias if t.bias is not None else self._bias(t.r0, t.qbuf.shape[1], p.q_len, kv_len,
+                                                                 p.kbuf.shape[1])
+            o = self._rows(t.qbuf, k_t, v_tiles, bias, nt)
             outs.append(o[:, :rows * g].view(hk, rows, g, d).permute(1, 0, 2, 3).reshape(rows, hk * g, d))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
