@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tokenbudget import AsyncLLM, RequestOutputKind, SamplingParams  # noqa: E402
 from tokenbudget.engine.loader.target import load_target_model  # noqa: E402
 from tokenbudget.engine.serve import bench  # noqa: E402
-from tokenbudget.engine.serve.server import make_server  # noqa: E402
+from tokenbudget.engine.serve.server import server_in_thread, server_url  # noqa: E402
 
 from benches.workloads import SPEC_BENCH  # noqa: E402
 
@@ -72,29 +72,19 @@ async def direct(llm: AsyncLLM, prompts: list[bench.Prompt], args) -> tuple[list
 
 
 def through_server(target, prompts_file: str, args) -> dict:
-    import socket
-    import threading
     llm = AsyncLLM(target, **engine_options(args))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = make_server(llm, "bench", port=port, log_level="warning")
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
     try:
-        subprocess.run([sys.executable, "-m", "tokenbudget.engine.cli.main", "bench", "serve", "--url",
-                        f"http://127.0.0.1:{port}", "--dataset", prompts_file, "--num-prompts", str(args.num_prompts),
-                        "--max-tokens", str(args.max_tokens), "--ignore-eos", "--concurrency", str(args.concurrency),
-                        "--output-json", out], check=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with server_in_thread(llm, "bench", log_level="warning") as server:
+            subprocess.run([sys.executable, "-m", "tokenbudget.engine.cli.main", "bench", "serve", "--url",
+                            server_url(server), "--dataset", prompts_file, "--num-prompts", str(args.num_prompts),
+                            "--max-tokens", str(args.max_tokens), "--ignore-eos", "--concurrency",
+                            str(args.concurrency), "--output-json", out], check=True,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
         with open(out) as f:
             return json.load(f)
     finally:
-        server.should_exit = True
-        thread.join(60)
         os.unlink(out)
 
 

@@ -4,8 +4,6 @@ around an ``AsyncLLM`` on the shared default model (imported, not a conftest).""
 from __future__ import annotations
 
 import contextlib
-import socket
-import threading
 import time
 
 import pytest
@@ -13,38 +11,20 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from tokenbudget.engine.serve.server import make_server  # noqa: E402
+from tokenbudget.engine.serve.server import free_port, server_in_thread, server_url  # noqa: E402, F401
 
 MODEL = "smol"
 KEY = "test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
 def running_server(llm, api_key: str | None = KEY, grace_period: float = 5.0, stopper: list | None = None):
     """Serve ``llm`` at the yielded base URL (``http://127.0.0.1:PORT``) until the block ends;
     ``stopper`` receives the uvicorn server (set its ``should_exit`` to start the drain early)."""
-    server = make_server(llm, MODEL, port=free_port(), api_key=api_key, grace_period=grace_period,
-                         log_level="warning")
-    if stopper is not None:
-        stopper.append(server)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with server_in_thread(llm, MODEL, api_key=api_key, grace_period=grace_period, log_level="warning") as server:
+        if stopper is not None:
+            stopper.append(server)
+        yield server_url(server)
 
 
 def wait_idle(llm, timeout: float = 30.0):

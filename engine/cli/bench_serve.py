@@ -16,9 +16,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
-import threading
-import time
 
 from tokenbudget.engine.cli.generate import speculative_config_from_args
 
@@ -54,25 +51,12 @@ def add_parser(sub) -> None:
 def local_server(args):
     """A ``tokenbudget serve`` in a thread of this process; yields its base URL."""
     from tokenbudget.engine.api.async_llm import AsyncLLM
-    from tokenbudget.engine.serve.server import make_server
+    from tokenbudget.engine.serve.server import server_in_thread, server_url
     options = {k: getattr(args, k) for k in ("num_threads", "max_num_seqs", "max_model_len")
                if getattr(args, k) is not None}
     llm = AsyncLLM(args.model, speculative_config=speculative_config_from_args(args), **options)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = make_server(llm, "local", port=port, log_level="warning")
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("the local server did not start")
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
+    with server_in_thread(llm, "local", start_timeout=600, log_level="warning") as server:
+        yield server_url(server)
 
 
 def run(args) -> int:

@@ -9,8 +9,12 @@ installs one that ignores SIGTERM, since the drain already did what SIGTERM asks
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import socket
 import threading
+import time
+from collections.abc import Iterator
 
 import uvicorn
 
@@ -32,3 +36,35 @@ def serve(llm, model_name: str, **options) -> int:
         signal.signal(signal.SIGTERM, lambda signum, frame: None)
     server.run()
     return 0 if server.started else 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS just had free on ``host`` (bind to 0, read it, release it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def server_url(server: uvicorn.Server) -> str:
+    return f"http://{server.config.host}:{server.config.port}"
+
+
+@contextlib.contextmanager
+def server_in_thread(llm, model_name: str, start_timeout: float = 30.0, **options) -> Iterator[uvicorn.Server]:
+    """``make_server`` on a free local port (unless ``port`` is given), run in a daemon thread of
+    this process; yields the started server (``server_url(server)``; set ``should_exit`` to drain
+    early) and drains it when the block ends. RuntimeError if it does not start in time."""
+    options.setdefault("port", free_port(options.get("host", "127.0.0.1")))
+    server = make_server(llm, model_name, **options)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the server for {model_name!r} did not start")
+        time.sleep(0.02)
+    try:
+        yield server
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
