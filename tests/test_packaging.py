@@ -61,3 +61,4 @@ def test_wheel_holds_only_the_tokenbudget_namespace(tmp_path):
     assert {t for t in tops if not t.endswith((".dist-info", ".data"))} == {"tokenbudget"}
     names = zipfile.ZipFile(wheel).namelist()
     assert "tokenbudget/engine/api/llm.py" in names and "tokenbudget/scheduler/scheduler.py" in names
+    assert "tokenbudget/kernels/cpu/quant_gemm.c" in names  # compiled at first use: the source must ship

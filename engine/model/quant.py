@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import torch
 
+from tokenbudget.engine.model.cpu_forward import CpuForward
 from tokenbudget.engine.model.layers import Linear
+from tokenbudget.kernels.cpu import quant_gemm as cpu_gemm
 
 QUANTIZATIONS = ("none", "int8", "int4")
 LM_HEAD_MODE = "int8"
@@ -46,54 +48,83 @@ def _int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scales.contiguous()
 
 
-def _int4_groupwise(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [N, K]`` -> (packed weight, scales_and_zeros ``[K / group, Np, 2]``); the kernel needs
-    N a multiple of 16, so N is padded with zero rows to ``Np`` (the caller drops those outputs)."""
-    w = torch.nn.functional.pad(w, (0, 0, 0, -w.shape[0] % 16))
+def _int4_groupwise(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w [N, K]`` -> (codes ``[N, K]`` in [0, 15], scales, mins ``[N, K / group]``) with
+    ``w ~= codes * scale + min`` (GGUF Q4_1's arithmetic)."""
     n, k = w.shape
     g = w.reshape(n, k // group, group)
-    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    lo, hi = g.amin(-1), g.amax(-1)
     scales = ((hi - lo) / 15.0).clamp(min=1e-12)
-    q = torch.round((g - lo) / scales).clamp_(0, 15).to(torch.int32).reshape(n, k)
-    zeros = lo + 8.0 * scales
-    sz = torch.cat([scales, zeros], -1).transpose(0, 1).contiguous()  # [K/g, N, 2]
+    q = torch.round((g - lo[..., None]) / scales[..., None]).clamp_(0, 15).to(torch.int32).reshape(n, k)
+    return q, scales, lo
+
+
+def _int4_torch_pack(q: torch.Tensor, scales: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes -> torch's CPU int4 kernel layout: (packed weight, scales_and_zeros ``[K / group, Np, 2]``)
+    with ``w ~= (q - 8) * s + z``; the kernel needs N a multiple of 16, so N is padded with zero
+    rows to ``Np`` (the caller drops those outputs)."""
+    pad = -q.shape[0] % 16
+    q, scales, lo = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, scales, lo))
+    sz = torch.stack([scales, lo + 8.0 * scales], -1).transpose(0, 1).contiguous()  # [K/g, N, 2]
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), _INT4_INNER_K_TILES)
     return packed, sz
 
 
 class QuantLinear:
-    """``y = x @ dequant(Wq).T + b`` with a packed weight-only quantized ``Wq`` (see module doc)."""
+    """``y = x @ dequant(Wq).T + b`` with a weight-only quantized ``Wq`` (see module doc): the C
+    kernels' weight (``native``: ``Q4Weight`` / ``Q8Weight``) where they run, else torch's packed
+    weight and scales."""
 
-    __slots__ = ("act_dtype", "bias", "group_size", "mode", "out_features", "packed", "scales")
+    __slots__ = ("act_dtype", "bias", "group_size", "mode", "native", "out_features", "packed", "scales")
     row_multiple = 1  # rows invariant at any row count (module doc)
 
-    def __init__(self, mode: str, packed: torch.Tensor, scales: torch.Tensor,
-                 bias: torch.Tensor | None, group_size: int, act_dtype: torch.dtype, out_features: int):
-        self.mode, self.packed, self.bias, self.out_features = mode, packed, bias, out_features
-        self.scales = scales.to(act_dtype)  # the kernels take scales in the activation dtype
-        self.group_size, self.act_dtype = group_size, act_dtype
+    def __init__(self, mode: str, bias: torch.Tensor | None, out_features: int, *, native=None,
+                 packed: torch.Tensor | None = None, scales: torch.Tensor | None = None, group_size: int = 0,
+                 act_dtype: torch.dtype = torch.bfloat16):
+        self.mode, self.bias, self.out_features, self.native = mode, bias, out_features, native
+        self.packed, self.group_size, self.act_dtype = packed, group_size, act_dtype
+        self.scales = None if scales is None else scales.to(act_dtype)  # torch's kernels: activation dtype
+
+    @property
+    def kernel(self) -> str:
+        return "native" if self.native is not None else "torch"
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, mode: str, bias: torch.Tensor | None = None,
-                   group_size: int = INT4_GROUP_SIZE,
-                   act_dtype: torch.dtype = torch.bfloat16) -> QuantLinear:
+                   group_size: int = INT4_GROUP_SIZE, act_dtype: torch.dtype = torch.bfloat16,
+                   kernel: str = "auto") -> QuantLinear:
+        """``kernel``: ``native`` (the C kernels; ValueError where they cannot run), ``torch``, or
+        ``auto`` (native where it runs: AVX-512 VNNI, in_features a multiple of 64, group 32)."""
         w = weight.detach().float()
         n, k = w.shape
+        if mode not in QUANTIZATIONS[1:]:
+            raise ValueError(f"quantization must be one of {'/'.join(QUANTIZATIONS[1:])}, got {mode!r}")
+        if mode == "int4" and (k % group_size or group_size not in (32, 64, 128, 256)):
+            raise ValueError(f"int4 needs in_features ({k}) divisible by group_size ({group_size})")
+        native_ok = cpu_gemm.supports(k) and (mode == "int8" or group_size == cpu_gemm.GROUP)
+        if kernel == "native" and not native_ok:
+            raise ValueError(f"kernel='native' cannot run this linear (in_features {k}, group {group_size}, "
+                             f"C kernels available: {cpu_gemm.library() is not None})")
+        use_native = kernel == "native" or (kernel == "auto" and native_ok)
         if mode == "int8":
             q, s = _int8_per_channel(w)
-            return cls(mode, q, s, bias, 0, act_dtype, n)
-        if mode == "int4":
-            if k % group_size or group_size not in (32, 64, 128, 256):
-                raise ValueError(f"int4 needs in_features ({k}) divisible by group_size ({group_size})")
-            packed, sz = _int4_groupwise(w, group_size)
-            return cls(mode, packed, sz, bias, group_size, act_dtype, n)
-        raise ValueError(f"quantization must be one of {'/'.join(QUANTIZATIONS[1:])}, got {mode!r}")
+            if use_native:
+                return cls(mode, bias, n, native=cpu_gemm.Q8Weight.from_codes(q, s))
+            return cls(mode, bias, n, packed=q, scales=s, act_dtype=act_dtype)
+        q, scales, lo = _int4_groupwise(w, group_size)
+        if use_native:
+            return cls(mode, bias, n, native=cpu_gemm.Q4Weight.from_codes(q, scales, lo))
+        packed, sz = _int4_torch_pack(q, scales, lo)
+        return cls(mode, bias, n, packed=packed, scales=sz, group_size=group_size, act_dtype=act_dtype)
 
     def fp32_out(self, x: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 (the lm_head's call, like ``Linear.fp32_out``)."""
         return self(x).float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            y = cpu_gemm.gemm_q4(x, self.native) if self.mode == "int4" else cpu_gemm.gemm_q8(x, self.native)
+            return y if self.bias is None else y + self.bias
         out_dtype = x.dtype
         x = x.to(self.act_dtype).contiguous()
         if self.mode == "int8":
@@ -105,6 +136,8 @@ class QuantLinear:
         return y if self.bias is None else y + self.bias
 
     def nbytes(self) -> int:
+        if self.native is not None:
+            return self.native.nbytes()
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales))
 
 
@@ -127,4 +160,5 @@ def quantize_model(model, mode: str):
     model.lm_head = q(model.lm_head, LM_HEAD_MODE)
     model.quantization = mode
     model.row_multiple = QuantLinear.row_multiple
+    model.cpu_forward = CpuForward.build(model)
     return model

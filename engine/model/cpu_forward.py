@@ -1,0 +1,99 @@
+"""The whole decoder forward in one C call (``tb_forward`` in ``kernels/cpu/quant_gemm.c``), for a
+quantized model on the CPU.
+
+Why: with the weight-only GEMMs at memory speed, what was left of a batch-1 decode step on the CPU
+was ~100 small torch ops per layer (norms, RoPE, the KV write, attention, casts, residual adds),
+each a few microseconds of dispatch. One call per step runs all layers instead; torch keeps the
+embedding lookup, the final norm and everything around the forward.
+
+Same contract as ``LlamaForCausalLM.forward``: a flat batch of requests in any mix of prefill
+chunks, decodes and verifies, K/V written through ``slot_mapping`` into the same paged cache
+tensors ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (fp32), so the torch reference
+backend and this path read each other's cache. Batch invariance holds by construction (the C
+file's notes): every row is computed from itself and its own context, in an order fixed by the row.
+
+Used when ``CpuForward.build`` accepts the model: every linear on the C kernels, head_dim a
+multiple of 16 and at most 256, and the step's KV cache fp32 on the CPU; else the torch forward runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from tokenbudget.kernels.attention.base import AttentionMetadata
+from tokenbudget.kernels.cpu.native import library
+
+LAYER_FIELDS = 20
+_FMT = {"int4": 4, "int8": 8}
+
+
+def _lin_fields(lin) -> list[int]:
+    w = lin.native
+    scales = getattr(w, "s", None)
+    return [_FMT[lin.mode], w.packed.data_ptr(), 0 if scales is None else scales.data_ptr(),
+            0 if lin.bias is None else lin.bias.data_ptr()]
+
+
+class CpuForward:
+    """Holds the per-layer pointer table (the model's tensors stay owned by the model)."""
+
+    __slots__ = ("model", "_fparams", "_norms", "_weights")
+
+    def __init__(self, model):
+        self.model = model
+        self._fparams = torch.tensor([model.eps, model.head_dim ** -0.5], dtype=torch.float32)
+        self._norms = [(lw.input_norm.contiguous(), lw.post_norm.contiguous()) for lw in model.layers]
+        # per layer: input_norm, post_norm, kv cache (filled per call), then 4 x (fmt, w, s, bias), one spare
+        self._weights = [[*_lin_fields(lw.qkv), *_lin_fields(lw.o), *_lin_fields(lw.gate_up), *_lin_fields(lw.down), 0]
+                         for lw in model.layers]
+        assert all(3 + len(w) == LAYER_FIELDS for w in self._weights)
+
+    @classmethod
+    def build(cls, model) -> CpuForward | None:
+        """A ``CpuForward`` for ``model``, or None where the C forward cannot run it (module doc)."""
+        from tokenbudget.engine.model.quant import QuantLinear
+        if library() is None or model.dtype != torch.float32 or model.device.type != "cpu":
+            return None
+        if model.head_dim % 16 or model.head_dim > 256 or model.config.hidden_size % 16:
+            return None
+        for lw in model.layers:
+            for lin in (lw.qkv, lw.o, lw.gate_up, lw.down):
+                if not isinstance(lin, QuantLinear) or lin.native is None:
+                    return None
+        return cls(model)
+
+    def accepts(self, kv_caches: list[torch.Tensor]) -> bool:
+        kv = kv_caches[0]
+        return kv.dtype == torch.float32 and kv.device.type == "cpu" and all(c.is_contiguous() for c in kv_caches)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """-> the last layer's residual stream ``[T, hidden]`` (the caller applies the final norm)."""
+        m = self.model
+        t = md.num_tokens
+        x = m.embed[input_ids[:t]].contiguous()
+        qo, kv_lens = md.qo_indptr, md.kv_lens
+        if len(kv_lens) == 1:  # the common decode / single-request shape, without tensor ops
+            req = torch.zeros(t, dtype=torch.int32)
+            ctx = torch.arange(kv_lens[0] - t + 1, kv_lens[0] + 1, dtype=torch.int32)
+        else:
+            q_lens = torch.tensor([qo[b + 1] - qo[b] for b in range(len(kv_lens))])
+            req = torch.repeat_interleave(torch.arange(len(kv_lens), dtype=torch.int32), q_lens)
+            first_ctx = torch.tensor(kv_lens) - q_lens + 1 - torch.tensor(qo[:-1])
+            ctx = (first_ctx.repeat_interleave(q_lens) + torch.arange(t)).to(torch.int32)
+        max_blocks = max(len(bt) for bt in md.block_tables)
+        tables = torch.tensor([bt + [0] * (max_blocks - len(bt)) for bt in md.block_tables], dtype=torch.int32)
+        layers = torch.tensor([[n0.data_ptr(), n1.data_ptr(), kv.data_ptr(), *w]
+                               for (n0, n1), kv, w in zip(self._norms, kv_caches, self._weights)], dtype=torch.int64)
+        pos = positions[:t].contiguous()
+        dims = torch.tensor([t, m.config.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim,
+                             m.config.intermediate_size, len(m.layers), kv_caches[0].shape[2], max_blocks,
+                             torch.get_num_threads()], dtype=torch.int64)
+        slots = md.slot_mapping[:t].contiguous()
+        if library().tb_forward(dims.data_ptr(), self._fparams.data_ptr(), layers.data_ptr(), x.data_ptr(),
+                                pos.data_ptr(), m.rope.cos.data_ptr(), m.rope.sin.data_ptr(), slots.data_ptr(),
+                                ctx.data_ptr(), req.data_ptr(), tables.data_ptr()):
+            raise MemoryError("tb_forward: scratch allocation failed")
+        return x

@@ -1,0 +1,418 @@
+/* Weight-only quantized GEMMs for x86 CPUs with AVX-512 VNNI: y[M, N] = x[M, K] @ W[N, K]^T.
+ *
+ * Built and loaded at first use by kernels/cpu/native.py (cc -O3, cached per source and flags).
+ *
+ * The activations are quantized per row in groups of 32 to int8 (scale = amax / 127, round to
+ * nearest even: GGUF's Q8 activations), and the products run as u8 x s8 integer dot products
+ * (vpdpbusd, 64 pairs per instruction); groups are combined in fp32. Weight formats:
+ *   q4: 4-bit asymmetric per group of 32 input columns, w = q * d + m, q in [0, 15] (GGUF Q4_1).
+ *       Per 64 columns, 40 bytes: 32 bytes where byte i holds column i in its low nibble and
+ *       column 32 + i in its high nibble, then fp16 d0, d1, m0, m1 of the two groups (one
+ *       stream per weight row: GGUF's 5 bits per weight, fetched in order).
+ *   q8: 8-bit symmetric per output channel, w = q * s, q in [-127, 127], stored as q + 128 (u8).
+ *       s: float [N].
+ * K must be a multiple of 64 (one 512-bit chunk = two groups).
+ *
+ * Batch invariance, by construction: output (m, n) is the same sequence of operations on row m
+ * of x and row n of W whatever the row count M, the tile it falls in and the thread that runs it
+ * (per 64-column chunk c, in order: isum = dpbusd(.., w[n][c], x[m][c]); acc = fma(float(isum),
+ * scale, acc); then one fixed horizontal sum). No reassociation: built without -ffast-math and
+ * with -ffp-contract=off. Threads split the N columns only.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define GROUP 32
+#define CHUNK 64
+#define NBLOCK 16 /* columns per thread work item */
+
+#define INLINE static inline __attribute__((always_inline))
+#define COMMA ,
+
+#define Q4_CHUNK_BYTES 40
+
+typedef struct {
+    int fmt;           /* 4: q4, 8: q8 */
+    const uint8_t *w;  /* q4: [N][K/64][40]; q8: [N][K] u8 */
+    const float *s;    /* q8: per-channel scales [N]; q4: unused */
+    const float *bias; /* [N] or NULL */
+} Lin;
+
+/* One row of quantized activations: q[K] int8; dv[K/64][16] fp32 scales (lanes 0-7: the chunk's
+ * first group, lanes 8-15: its second); xsv[K/64][16] = scale * sum(q) / 8 of the lane's group
+ * (q4's min term, spread over the group's 8 lanes); corr[K/64][16] int32 = -128 * the sum of the
+ * 4 q's behind each dpbusd lane (undoes q8's u8 offset exactly). */
+typedef struct {
+    int8_t *q;
+    float *dv, *xsv;
+    int32_t *corr;
+    int64_t k;
+} XRows;
+
+INLINE const int8_t *xq(const XRows *x, int64_t m) { return x->q + m * x->k; }
+INLINE int64_t xoff(const XRows *x, int64_t m) { return m * (x->k / CHUNK) * 16; }
+
+static void quantize_row(const XRows *x, const float *src, int64_t m) {
+    const int64_t k = x->k;
+    int8_t *q = x->q + m * k;
+    float *dv = x->dv + xoff(x, m), *xsv = x->xsv + xoff(x, m);
+    int32_t *corr = x->corr + xoff(x, m);
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        const float *a = src + g * GROUP;
+        __m512 a0 = _mm512_loadu_ps(a), a1 = _mm512_loadu_ps(a + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a0), _mm512_andnot_ps(sign, a1)));
+        float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, _mm512_set1_ps(id)));
+        __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, _mm512_set1_ps(id)));
+        _mm_storeu_si128((__m128i *)(q + g * GROUP), _mm512_cvtsepi32_epi8(i0));
+        _mm_storeu_si128((__m128i *)(q + g * GROUP + 16), _mm512_cvtsepi32_epi8(i1));
+        float xs8 = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)) * 0.125f;
+        for (int j = 0; j < 8; j++) {
+            dv[(g / 2) * 16 + (g % 2) * 8 + j] = d;
+            xsv[(g / 2) * 16 + (g % 2) * 8 + j] = xs8;
+        }
+    }
+    const __m512i u128 = _mm512_set1_epi8((char)0x80);
+    for (int64_t c = 0; c < k / CHUNK; c++) {
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u128, _mm512_loadu_si512(q + c * CHUNK));
+        _mm512_storeu_si512(corr + c * 16, _mm512_sub_epi32(_mm512_setzero_si512(), s));
+    }
+}
+
+/* 64 4-bit weights (32 bytes) -> 64 u8 lanes in column order. */
+INLINE __m512i unpack_q4(const uint8_t *p) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    __m256i b = _mm256_loadu_si256((const __m256i *)p);
+    __m256i lo = _mm256_and_si256(b, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+INLINE void store_out(float *o, float v, const Lin *L, int64_t n, int accumulate) {
+    if (L->bias) v += L->bias[n];
+    *o = accumulate ? *o + v : v;
+}
+
+/* Tile: rows m0..m0+RM of x against weight rows n0..n0+RN; each output is the module header's
+ * fixed sequence whatever RM and RN are. */
+INLINE void q4_tile(const XRows *x, int64_t m0, const int RM, const Lin *L, int64_t n0, const int RN,
+                    float *out, int64_t ldo, int accumulate) {
+    const int64_t nc = x->k / CHUNK;
+    const __m512i lo_idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i hi_idx = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+    __m512 acc[4][4];
+    for (int i = 0; i < RM; i++)
+        for (int j = 0; j < RN; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nc; c++) {
+        __m512i wv[4];
+        __m512 wd[4], wm[4];
+        for (int j = 0; j < RN; j++) {
+            const uint8_t *p = L->w + ((n0 + j) * nc + c) * Q4_CHUNK_BYTES;
+            wv[j] = unpack_q4(p);
+            __m512 dm = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(p + 32))));
+            wd[j] = _mm512_permutexvar_ps(lo_idx, dm);
+            wm[j] = _mm512_permutexvar_ps(hi_idx, dm);
+        }
+        for (int i = 0; i < RM; i++) {
+            __m512i xv = _mm512_loadu_si512(xq(x, m0 + i) + c * CHUNK);
+            __m512 dv = _mm512_loadu_ps(x->dv + xoff(x, m0 + i) + c * 16);
+            __m512 sv = _mm512_loadu_ps(x->xsv + xoff(x, m0 + i) + c * 16);
+            for (int j = 0; j < RN; j++) {
+                __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j], xv);
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dv, wd[j]), acc[i][j]);
+                acc[i][j] = _mm512_fmadd_ps(wm[j], sv, acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < RM; i++)
+        for (int j = 0; j < RN; j++)
+            store_out(out + (m0 + i) * ldo + n0 + j, _mm512_reduce_add_ps(acc[i][j]), L, n0 + j, accumulate);
+}
+
+/* q8 tile (u8 = q + 128 weights; x's corr undoes the offset exactly, in integers). */
+INLINE void q8_tile(const XRows *x, int64_t m0, const int RM, const Lin *L, int64_t n0, const int RN,
+                    float *out, int64_t ldo, int accumulate) {
+    const int64_t k = x->k, nc = k / CHUNK;
+    __m512 acc[4][4];
+    for (int i = 0; i < RM; i++)
+        for (int j = 0; j < RN; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nc; c++) {
+        __m512i wv[4];
+        for (int j = 0; j < RN; j++) wv[j] = _mm512_loadu_si512(L->w + (n0 + j) * k + c * CHUNK);
+        for (int i = 0; i < RM; i++) {
+            __m512i xv = _mm512_loadu_si512(xq(x, m0 + i) + c * CHUNK);
+            __m512i cv = _mm512_loadu_si512(x->corr + xoff(x, m0 + i) + c * 16);
+            __m512 dv = _mm512_loadu_ps(x->dv + xoff(x, m0 + i) + c * 16);
+            for (int j = 0; j < RN; j++) {
+                __m512i isum = _mm512_dpbusd_epi32(cv, wv[j], xv);
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dv, acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < RM; i++)
+        for (int j = 0; j < RN; j++)
+            store_out(out + (m0 + i) * ldo + n0 + j, L->s[n0 + j] * _mm512_reduce_add_ps(acc[i][j]), L, n0 + j,
+                      accumulate);
+}
+
+#define TILE_ARGS (const XRows *x, int64_t m0, const Lin *L, int64_t n0, float *out, int64_t ldo, int acc)
+#define DEF_TILE(FMT, RM, RN) \
+    static void FMT##_##RM##x##RN TILE_ARGS { FMT##_tile(x, m0, RM, L, n0, RN, out, ldo, acc); }
+DEF_TILE(q4, 1, 1) DEF_TILE(q4, 2, 1) DEF_TILE(q4, 3, 1) DEF_TILE(q4, 4, 1)
+DEF_TILE(q4, 1, 4) DEF_TILE(q4, 2, 4) DEF_TILE(q4, 3, 4) DEF_TILE(q4, 4, 4)
+DEF_TILE(q8, 1, 1) DEF_TILE(q8, 2, 1) DEF_TILE(q8, 3, 1) DEF_TILE(q8, 4, 1)
+DEF_TILE(q8, 1, 4) DEF_TILE(q8, 2, 4) DEF_TILE(q8, 3, 4) DEF_TILE(q8, 4, 4)
+typedef void(*tile_fn) TILE_ARGS;
+static const tile_fn Q4_TILES[2][4] = {{q4_1x1, q4_2x1, q4_3x1, q4_4x1}, {q4_1x4, q4_2x4, q4_3x4, q4_4x4}};
+static const tile_fn Q8_TILES[2][4] = {{q8_1x1, q8_2x1, q8_3x1, q8_4x1}, {q8_1x4, q8_2x4, q8_3x4, q8_4x4}};
+
+static int alloc_rows(XRows *x, int64_t m, int64_t k) {
+    x->k = k;
+    x->q = malloc(m * k);
+    x->dv = malloc(m * (k / CHUNK) * 16 * sizeof(float));
+    x->xsv = malloc(m * (k / CHUNK) * 16 * sizeof(float));
+    x->corr = malloc(m * (k / CHUNK) * 16 * sizeof(int32_t));
+    return x->q && x->dv && x->xsv && x->corr;
+}
+
+static void free_rows(XRows *x) {
+    free(x->q);
+    free(x->dv);
+    free(x->xsv);
+    free(x->corr);
+}
+
+/* out[m][n] (+)= x[m] . W[n] (+ bias[n]): threads quantize the rows of x, then split N in blocks of
+ * NBLOCK columns; a block walks M in tiles of up to 4 rows x 4 columns. 0, or -1 when out of memory. */
+static int linear(const Lin *L, const float *x, int64_t m, int64_t k, int64_t n, float *out, int accumulate,
+                  int nthreads) {
+    if (m <= 0) return 0;
+    XRows rows;
+    if (!alloc_rows(&rows, m, k)) {
+        free_rows(&rows);
+        return -1;
+    }
+    const tile_fn(*tiles)[4] = L->fmt == 4 ? Q4_TILES : Q8_TILES;
+    const int64_t nblocks = (n + NBLOCK - 1) / NBLOCK;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++) quantize_row(&rows, x + i * k, i);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nblocks; b++) {
+            const int64_t n_end = (b + 1) * NBLOCK < n ? (b + 1) * NBLOCK : n;
+            for (int64_t m0 = 0; m0 < m; m0 += 4) {
+                const int rm = m - m0 < 4 ? (int)(m - m0) : 4;
+                int64_t n0 = b * NBLOCK;
+                for (; n0 + 4 <= n_end; n0 += 4) tiles[1][rm - 1](&rows, m0, L, n0, out, n, accumulate);
+                for (; n0 < n_end; n0++) tiles[0][rm - 1](&rows, m0, L, n0, out, n, accumulate);
+            }
+        }
+    }
+    free_rows(&rows);
+    return 0;
+}
+
+int tb_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *out, int nthreads) {
+    Lin L = {4, w, NULL, NULL};
+    return linear(&L, x, m, k, n, out, 0, nthreads);
+}
+
+int tb_gemm_q8(const float *x, int64_t m, int64_t k, const uint8_t *w, const float *s, int64_t n, float *out,
+               int nthreads) {
+    Lin L = {8, w, s, NULL};
+    return linear(&L, x, m, k, n, out, 0, nthreads);
+}
+
+/* The activation quantization alone (for tests): q[m][k], group scales d[m][k / 32]. */
+void tb_quantize_rows(const float *x, int64_t m, int64_t k, int8_t *q, float *d) {
+    XRows rows;
+    if (alloc_rows(&rows, m, k)) {
+        for (int64_t i = 0; i < m; i++) quantize_row(&rows, x + i * k, i);
+        memcpy(q, rows.q, m * k);
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t g = 0; g < k / GROUP; g++) d[i * (k / GROUP) + g] = rows.dv[xoff(&rows, i) + (g / 2) * 16 + (g % 2) * 8];
+    }
+    free_rows(&rows);
+}
+
+/* ------------------------------------------------------------------------------------------
+ * The decoder forward of a Llama-family model whose linears are all q4/q8 (tb_forward).
+ *
+ * One call runs every layer over a flat batch of T tokens (prefill chunks, decodes and verifies of
+ * several requests in any mix), replacing ~100 torch ops per layer. Batch invariance holds by the
+ * same construction as the GEMMs: every row-wise op (RMSNorm, RoPE, SiLU, residual adds) and the
+ * attention of a query row are computed from that row and its own context alone, in an order that
+ * depends only on the row (its context length), never on T or on threads.
+ * ---------------------------------------------------------------------------------------- */
+#include <math.h>
+
+/* expf, vectorized (Cephes polynomial; about 2 ulp; deterministic). */
+INLINE __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365447505531f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* out = w * (x / sqrt(mean(x^2) + eps)), H a multiple of 16. */
+static void rms_norm_row(const float *x, const float *w, int64_t h, float eps, float *out) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t i = 0; i < h; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)h + eps));
+    for (int64_t i = 0; i < h; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(_mm512_loadu_ps(x + i), r)));
+}
+
+/* x = x * cos + roll(x, D/2) * sin (sin carries rotate_half's sign), for nh heads of D. */
+static void rope_heads(float *x, int64_t nh, int64_t d, const float *cos, const float *sin) {
+    float tmp[512];
+    const int64_t half = d / 2;
+    for (int64_t hh = 0; hh < nh; hh++) {
+        float *v = x + hh * d;
+        for (int64_t i = 0; i < d; i++) tmp[i] = v[i];
+        for (int64_t i = 0; i < d; i++) v[i] = tmp[i] * cos[i] + tmp[(i + half) % d] * sin[i];
+    }
+}
+
+INLINE float dot_row(const float *a, const float *b, int64_t d) {
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
+    for (int64_t i = 16; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    return _mm512_reduce_add_ps(acc);
+}
+
+typedef struct {
+    int64_t h, hq, hk, d, inter, bs, max_blocks;
+    float eps, scale;
+} Dims;
+
+/* Attention of query row t, kv head g (its G = hq / hk query heads) over positions 0..ctx-1 of its
+ * request's paged cache ([blocks][2][bs][hk][d]). Scores, max, exp, the sum and P @ V run in
+ * position order. */
+static void attend_row(const Dims *dm, const float *q, const float *kv, const int32_t *blocks, int64_t ctx,
+                       int64_t g, float *scores, float *out) {
+    const int64_t d = dm->d, hk = dm->hk, gsz = dm->hq / hk, bs = dm->bs;
+    for (int64_t p = 0; p < ctx; p++) {
+        const float *k = kv + ((int64_t)blocks[p / bs] * 2 * bs + p % bs) * hk * d + g * d;
+        for (int64_t j = 0; j < gsz; j++) scores[j * ctx + p] = dot_row(q + (g * gsz + j) * d, k, d) * dm->scale;
+    }
+    for (int64_t j = 0; j < gsz; j++) {
+        float *s = scores + j * ctx;
+        float mx = -INFINITY;
+        for (int64_t p = 0; p < ctx; p++) mx = s[p] > mx ? s[p] : mx;
+        __m512 sum = _mm512_setzero_ps();
+        const __m512 mxv = _mm512_set1_ps(mx);
+        for (int64_t p = 0; p < ctx; p += 16) {
+            const __mmask16 mk = ctx - p >= 16 ? 0xFFFF : (__mmask16)((1u << (ctx - p)) - 1);
+            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + p), mxv));
+            e = _mm512_maskz_mov_ps(mk, e);
+            _mm512_mask_storeu_ps(s + p, mk, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+        __m512 acc[16];
+        for (int64_t i = 0; i < d / 16; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < ctx; p++) {
+            const float *v = kv + (((int64_t)blocks[p / bs] * 2 + 1) * bs + p % bs) * hk * d + g * d;
+            const __m512 sp = _mm512_set1_ps(s[p]);
+            for (int64_t i = 0; i < d / 16; i++) acc[i] = _mm512_fmadd_ps(sp, _mm512_loadu_ps(v + 16 * i), acc[i]);
+        }
+        float *o = out + (g * gsz + j) * d;
+        for (int64_t i = 0; i < d / 16; i++) _mm512_storeu_ps(o + 16 * i, _mm512_mul_ps(acc[i], inv));
+    }
+}
+
+/* Per layer, 20 int64 fields: 0 input_norm, 1 post_norm, 2 kv cache, then 4 linears (qkv, o,
+ * gate_up, down) of 4 fields each at 3 + 4 * i: fmt, w, s, bias. */
+#define LAYER_FIELDS 20
+
+static Lin layer_lin(const int64_t *f, int i) {
+    const int64_t *p = f + 3 + 4 * i;
+    Lin L = {(int)p[0], (const uint8_t *)p[1], (const float *)p[2], (const float *)p[3]};
+    return L;
+}
+
+/* dims: T, H, Hq, Hk, D, I, layers, block_size, max_blocks, threads; fparams: eps, softmax scale.
+ * x [T][H] (in: embeddings; out: the last layer's residual stream, before the final norm),
+ * cos/sin [max_pos][D], positions/slots [T], row_ctx [T] (context length incl. the row itself),
+ * row_req [T], block_tables [B][max_blocks]. 0, or -1 when out of memory. */
+int tb_forward(const int64_t *dims, const float *fparams, const int64_t *layers, float *x, const int64_t *positions,
+               const float *cos, const float *sin, const int64_t *slots, const int32_t *row_ctx,
+               const int32_t *row_req, const int32_t *block_tables) {
+    const int64_t t = dims[0], nl = dims[6];
+    const int nthreads = (int)dims[9];
+    const Dims dm = {dims[1], dims[2], dims[3], dims[4], dims[5], dims[7], dims[8], fparams[0], fparams[1]};
+    const int64_t h = dm.h, d = dm.d, qsz = dm.hq * d, kvsz = dm.hk * d, qkvn = qsz + 2 * kvsz, inter = dm.inter;
+    int64_t max_ctx = 1;
+    for (int64_t r = 0; r < t; r++) max_ctx = row_ctx[r] > max_ctx ? row_ctx[r] : max_ctx;
+    float *hs = malloc(t * h * sizeof(float)), *qkv = malloc(t * qkvn * sizeof(float));
+    float *att = malloc(t * qsz * sizeof(float)), *gu = malloc(t * 2 * inter * sizeof(float));
+    float *act = malloc(t * inter * sizeof(float));
+    int rc = hs && qkv && att && gu && act ? 0 : -1;
+    const int par_rows = t >= 4 ? nthreads : 1;
+    for (int64_t l = 0; l < nl && rc == 0; l++) {
+        const int64_t *f = layers + l * LAYER_FIELDS;
+        const float *in_norm = (const float *)f[0], *post_norm = (const float *)f[1];
+        float *kv = (float *)f[2];
+        const Lin lqkv = layer_lin(f, 0), lo = layer_lin(f, 1), lgu = layer_lin(f, 2), ldn = layer_lin(f, 3);
+#pragma omp parallel for num_threads(par_rows) schedule(static)
+        for (int64_t r = 0; r < t; r++) rms_norm_row(x + r * h, in_norm, h, dm.eps, hs + r * h);
+        rc |= linear(&lqkv, hs, t, h, qkvn, qkv, 0, nthreads);
+#pragma omp parallel for num_threads(par_rows) schedule(static)
+        for (int64_t r = 0; r < t; r++) {
+            float *row = qkv + r * qkvn;
+            rope_heads(row, dm.hq + dm.hk, d, cos + positions[r] * d, sin + positions[r] * d);
+            const int64_t blk = slots[r] / dm.bs, off = slots[r] % dm.bs;
+            memcpy(kv + ((blk * 2) * dm.bs + off) * kvsz, row + qsz, kvsz * sizeof(float));
+            memcpy(kv + ((blk * 2 + 1) * dm.bs + off) * kvsz, row + qsz + kvsz, kvsz * sizeof(float));
+        }
+#pragma omp parallel num_threads(t * dm.hk >= 2 ? nthreads : 1)
+        {
+            float *scores = malloc((dm.hq / dm.hk) * max_ctx * sizeof(float));
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < t * dm.hk; i++) {
+                const int64_t r = i / dm.hk, g = i % dm.hk;
+                if (scores)
+                    attend_row(&dm, qkv + r * qkvn, kv, block_tables + (int64_t)row_req[r] * dm.max_blocks, row_ctx[r], g,
+                               scores, att + r * qsz);
+            }
+            if (!scores) rc = -1;
+            free(scores);
+        }
+        rc |= linear(&lo, att, t, qsz, h, x, 1, nthreads);
+#pragma omp parallel for num_threads(par_rows) schedule(static)
+        for (int64_t r = 0; r < t; r++) rms_norm_row(x + r * h, post_norm, h, dm.eps, hs + r * h);
+        rc |= linear(&lgu, hs, t, h, 2 * inter, gu, 0, nthreads);
+#pragma omp parallel for num_threads(par_rows) schedule(static)
+        for (int64_t r = 0; r < t; r++) {
+            const float *gr = gu + r * 2 * inter, *ur = gr + inter;
+            float *ar = act + r * inter;
+            for (int64_t i = 0; i < inter; i += 16) {
+                __m512 gv = _mm512_loadu_ps(gr + i);
+                __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+                _mm512_storeu_ps(ar + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_loadu_ps(ur + i)));
+            }
+        }
+        rc |= linear(&ldn, act, t, inter, h, x, 1, nthreads);
+    }
+    free(hs);
+    free(qkv);
+    free(att);
+    free(gu);
+    free(act);
+    return rc ? -1 : 0;
+}

@@ -1,0 +1,135 @@
+"""The C kernels of ``kernels/cpu`` (AVX-512 VNNI weight-only GEMMs, the one-call decoder forward).
+
+Checked against torch references built from what the kernels multiply (``dequantize`` of the
+weight, the kernels' own activation quantization): the GEMMs to fp32 rounding, every output row
+bitwise equal alone and inside any row count, at 1 and 2 threads; the C forward against the torch
+forward of the same quantized model, and bitwise invariant across schedules (prefill whole, in
+chunks next to other requests, one token at a time). Skipped where the kernels cannot run (no
+AVX-512 VNNI or no C compiler): the engine then keeps torch's kernels, which the rest of the
+suite covers.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tokenbudget.engine.model import build_model
+from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.engine.model.quant import QuantLinear, quantize_model
+from tokenbudget.kernels.cpu import quant_gemm as cg
+from tokenbudget.kernels.cpu.native import library
+
+import test_batch_invariance as tbi
+
+pytestmark = pytest.mark.skipif(library() is None, reason="C kernels unavailable (no AVX-512 VNNI or C compiler)")
+
+# Every linear's in_features a multiple of 64: the C kernels take the whole model.
+CFG64 = ModelConfig(vocab_size=101, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                    rms_norm_eps=1e-5, tie_word_embeddings=True)
+
+
+def _q4(w: torch.Tensor) -> cg.Q4Weight:
+    n, k = w.shape
+    g = w.reshape(n, k // 32, 32)
+    lo, hi = g.amin(-1), g.amax(-1)
+    d = ((hi - lo) / 15).clamp(min=1e-12)
+    return cg.Q4Weight.from_codes(torch.round((g - lo[..., None]) / d[..., None]).clamp(0, 15).reshape(n, k), d, lo)
+
+
+def _q8(w: torch.Tensor) -> cg.Q8Weight:
+    s = w.abs().amax(1) / 127
+    return cg.Q8Weight.from_codes(torch.round(w / s[:, None]).clamp(-127, 127), s)
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("n,k", [(96, 64), (960, 576), (576, 1536), (37, 128)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemm_matches_reference_and_rows_are_invariant(fmt, n, k, threads):
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    weight, gemm = (_q4(w), cg.gemm_q4) if fmt == "q4" else (_q8(w), cg.gemm_q8)
+    x = torch.randn(13, k, generator=g)
+    x[3, 5] = 40.0  # an outlier only moves its own group's scale
+    x[7] = 0.0      # an all-zero row (scale 0)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = gemm(x, weight)
+        rows = [torch.cat([gemm(x[i:i + 1], weight) for i in range(13)])]
+        rows += [torch.cat([gemm(x[a:a + m], weight) for a in range(0, 13, m)]) for m in (2, 3, 4, 5, 8)]
+    finally:
+        torch.set_num_threads(old)
+    xq, xd = cg.quantize_activations(x)
+    x_hat = (xq.double().reshape(13, -1, 32) * xd.double()[..., None]).reshape(13, k)
+    want = x_hat @ weight.dequantize().double().T
+    assert (y.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    assert torch.equal(y[7], torch.zeros(n))
+    for r in rows:
+        assert torch.equal(r, y)
+
+
+def test_activation_quantization_is_q8_per_group_of_32():
+    x = torch.randn(3, 128)
+    q, d = cg.quantize_activations(x)
+    amax = x.reshape(3, 4, 32).abs().amax(-1)
+    assert torch.equal(d, amax / 127)
+    want = torch.round(x.reshape(3, 4, 32) * (127 / amax)[..., None]).reshape(3, 128)
+    assert torch.equal(q.float(), want)
+
+
+def test_q4_weight_keeps_gguf_q4_1_codes():
+    w = torch.randn(64, 128) * 0.1
+    weight = _q4(w)
+    assert weight.packed.shape == (64, 2, 40) and weight.nbytes() == 64 * 128 * 5 // 8
+    assert (weight.dequantize() - w).abs().max() <= weight.scales_and_mins()[0].max() * 0.51
+
+
+def test_quant_linear_picks_the_c_kernels_where_they_run():
+    w = torch.randn(96, 128)
+    assert QuantLinear.from_float(w, "int4").kernel == "native"
+    assert QuantLinear.from_float(w, "int4", kernel="torch").kernel == "torch"
+    assert QuantLinear.from_float(torch.randn(96, 96), "int8").kernel == "torch"  # K not a multiple of 64
+    with pytest.raises(ValueError, match="native"):
+        QuantLinear.from_float(torch.randn(96, 96), "int8", kernel="native")
+
+
+def _model(mode: str, seed: int = 0):
+    return quantize_model(build_model(CFG64, tbi.random_state_dict(CFG64, seed), torch.float32, "cpu"), mode)
+
+
+@pytest.fixture
+def cfg64(monkeypatch):
+    monkeypatch.setattr(tbi, "CFG", CFG64)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_c_forward_matches_the_torch_forward(cfg64, mode):
+    model = _model(mode)
+    assert model.cpu_forward is not None
+    rng = random.Random(1)
+    seqs = [[rng.randrange(CFG64.vocab_size) for _ in range(n)] for n in (3, 37, 70, 290)]
+    native = tbi.run_schedule(model, seqs, tbi.SCHEDULES["whole"], torch.float32, 0)
+    model.cpu_forward = None
+    torch_path = tbi.run_schedule(model, seqs, tbi.SCHEDULES["whole"], torch.float32, 0)
+    for a, b in zip(native, torch_path):
+        # the same GEMMs; attention and norms round differently, and a last-bit difference can flip an
+        # activation's int8 rounding in the next layer
+        assert (a - b).abs().max() <= 1e-2 * b.abs().max()
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_c_forward_is_batch_invariant(cfg64, mode):
+    model = _model(mode, seed=2)
+    rng = random.Random(3)
+    seqs = [[rng.randrange(CFG64.vocab_size) for _ in range(n)] for n in (3, 37, 70, 290)]
+    ref = tbi.run_schedule(model, seqs, tbi.SCHEDULES["whole"], torch.float32, 0)
+    for seed, name in enumerate(("decode", "verify_like", "random_chunks"), 1):
+        got = tbi.run_schedule(model, seqs, tbi.SCHEDULES[name], torch.float32, seed)
+        for s, (a, b) in enumerate(zip(ref, got)):
+            diff = (a != b).any(-1).nonzero().flatten().tolist()
+            assert not diff, f"{mode} schedule {name!r}, seq {s}: positions {diff[:10]} differ"
