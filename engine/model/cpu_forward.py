@@ -39,7 +39,7 @@ def _lin_fields(lin) -> list[int]:
 class CpuForward:
     """Holds the per-layer pointer table (the model's tensors stay owned by the model)."""
 
-    __slots__ = ("model", "_fparams", "_norms", "_weights")
+    __slots__ = ("model", "_fparams", "_norms", "_weights", "_table", "_table_key")
 
     def __init__(self, model):
         self.model = model
@@ -49,6 +49,7 @@ class CpuForward:
         self._weights = [[*_lin_fields(lw.qkv), *_lin_fields(lw.o), *_lin_fields(lw.gate_up), *_lin_fields(lw.down), 0]
                          for lw in model.layers]
         assert all(3 + len(w) == LAYER_FIELDS for w in self._weights)
+        self._table, self._table_key = None, None
 
     @classmethod
     def build(cls, model) -> CpuForward | None:
@@ -68,6 +69,15 @@ class CpuForward:
         kv = kv_caches[0]
         return kv.dtype == torch.float32 and kv.device.type == "cpu" and all(c.is_contiguous() for c in kv_caches)
 
+    def _layer_table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """The int64 ``[layers, LAYER_FIELDS]`` table for these caches (rebuilt only when they change)."""
+        key = tuple(kv.data_ptr() for kv in kv_caches)
+        if key != self._table_key:
+            self._table = torch.tensor([[n0.data_ptr(), n1.data_ptr(), kv, *w]
+                                        for (n0, n1), kv, w in zip(self._norms, key, self._weights)], dtype=torch.int64)
+            self._table_key = key
+        return self._table
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
                  kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """-> the last layer's residual stream ``[T, hidden]`` (the caller applies the final norm)."""
@@ -85,8 +95,7 @@ class CpuForward:
             ctx = (first_ctx.repeat_interleave(q_lens) + torch.arange(t)).to(torch.int32)
         max_blocks = max(len(bt) for bt in md.block_tables)
         tables = torch.tensor([bt + [0] * (max_blocks - len(bt)) for bt in md.block_tables], dtype=torch.int32)
-        layers = torch.tensor([[n0.data_ptr(), n1.data_ptr(), kv.data_ptr(), *w]
-                               for (n0, n1), kv, w in zip(self._norms, kv_caches, self._weights)], dtype=torch.int64)
+        layers = self._layer_table(kv_caches)
         pos = positions[:t].contiguous()
         dims = torch.tensor([t, m.config.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim,
                              m.config.intermediate_size, len(m.layers), kv_caches[0].shape[2], max_blocks,

@@ -10,20 +10,28 @@ model's tied embedding is Q8_0). Measured on the default model, 400 held tokens:
 22.68, int4 blocks + int8 head 22.82, int4 blocks + int4 head 23.84; the int8 head costs ~12 %
 of int4 decode speed (31.4 vs 35.6 tok/s, 1 thread, shared machine).
 
-Kernels (torch's CPU weight-only GEMMs). The activations enter the kernel in bf16 and its output
-is cast back to fp32: in torch 2.13 both kernels are vectorized (AVX-512) only for bf16 inputs;
-with fp32 inputs they ran 20-40x SLOWER than the fp32 oneDNN linear (``benches/quant_kernels.py
---act float32``). Everything outside the GEMMs (norms, RoPE, attention, residuals) stays fp32.
-* ``int8``: ``aten._weight_int8pack_mm`` with symmetric per-output-channel scales
-  (``w ~= q * s``, q in [-127, 127]).
-* ``int4``: ``aten._weight_int4pack_mm_for_cpu``, asymmetric per group of ``group_size`` input
-  columns (``w ~= (q - 8) * s + z``, q in [0, 15], z = min + 8 s). With group 32 this is GGUF
-  Q4_1's own layout (block 32, ``w = q d + m``): requantizing a Q4_1 tensor's dequantized values
-  gives back its codes, so ``int4`` on a Q4_1 file reproduces the file's weights.
+Kernels, chosen per linear (``QuantLinear.kernel``):
+* ``native`` (where the CPU has AVX-512 VNNI, a C compiler is found and in_features is a multiple
+  of 64; ``kernels/cpu``): our C GEMMs. The activations are quantized per row and group of 32 to
+  int8 inside the call (GGUF's Q8 activations, as llama.cpp does) and multiplied as integers
+  (vpdpbusd); int4 weights are GGUF Q4_1's (codes, fp16 d and m per group of 32) in one 40-byte
+  record per 64 columns. When every linear of the model runs natively, ``quantize_model`` also
+  sets ``model.cpu_forward``: the whole decoder in one C call (``engine/model/cpu_forward.py``).
+  Measured, default model, batch-1 decode step, 2 threads: 20.2 -> 9.3 ms (``benches/decode_step.py``).
+* ``torch``: torch's CPU weight-only GEMMs. The activations enter the kernel in bf16 and its
+  output is cast back to fp32: in torch 2.13 both kernels are vectorized (AVX-512) only for bf16
+  inputs (with fp32 inputs they ran 20-40x slower than the fp32 oneDNN linear, ``benches/
+  quant_kernels.py --act float32``). ``int8``: ``aten._weight_int8pack_mm``, symmetric per output
+  channel (``w ~= q * s``, q in [-127, 127]). ``int4``: ``aten._weight_int4pack_mm_for_cpu``,
+  asymmetric per group of ``group_size`` input columns (``w ~= (q - 8) * s + z``, z = min + 8 s).
+With group 32 both int4 kernels use GGUF Q4_1's arithmetic (block 32, ``w = q d + m``):
+requantizing a Q4_1 tensor's dequantized values gives back its codes, so ``int4`` on a Q4_1 file
+reproduces the file's weights.
 
-Batch invariance: both kernels compute a row's outputs from that row alone for EVERY row count,
-1 included (measured for M in 1..19, 31, 33, 64, 70 on the default model's shapes, 1 and 2 threads,
-``benches/quant_kernels.py``; enforced by ``tests/test_batch_invariance.py``). So a quantized model
+Batch invariance: every kernel computes a row's outputs from that row alone for EVERY row count,
+1 included (torch's: measured for M in 1..19, 31, 33, 64, 70 on the default model's shapes, 1 and
+2 threads, ``benches/quant_kernels.py``; ours by construction; enforced by
+``tests/test_batch_invariance.py`` and ``tests/test_cpu_kernels.py``). So a quantized model
 needs no row padding (``row_multiple = 1``): a batch-1 decode runs the kernels' M=1 path, which is
 1.5x faster than M=4 over the 30 layers of the default model (5.8 vs 8.5 ms, 2 threads).
 """
