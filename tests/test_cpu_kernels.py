@@ -26,7 +26,7 @@ import test_batch_invariance as tbi
 
 pytestmark = pytest.mark.skipif(library() is None, reason="C kernels unavailable (no AVX-512 VNNI or C compiler)")
 
-# Every linear's in_features a multiple of 64: the C kernels take the whole model.
+# Every linear's in_features a multiple of 32 and head_dim of 16: the C forward takes the model.
 CFG64 = ModelConfig(vocab_size=101, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                     rms_norm_eps=1e-5, tie_word_embeddings=True)
@@ -46,13 +46,13 @@ def _q8(w: torch.Tensor) -> cg.Q8Weight:
 
 
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
-@pytest.mark.parametrize("n,k", [(96, 64), (960, 576), (576, 1536), (37, 128)])
+@pytest.mark.parametrize("n,k", [(96, 64), (960, 576), (576, 1536), (37, 96), (5, 32)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_gemm_matches_reference_and_rows_are_invariant(fmt, n, k, threads):
     g = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=g) * 0.05
     weight, gemm = (_q4(w), cg.gemm_q4) if fmt == "q4" else (_q8(w), cg.gemm_q8)
-    x = torch.randn(13, k, generator=g)
+    x = torch.randn(13, k, generator=g)  # 13 rows: a tile of 8 and one of 5
     x[3, 5] = 40.0  # an outlier only moves its own group's scale
     x[7] = 0.0      # an all-zero row (scale 0)
     old = torch.get_num_threads()
@@ -60,7 +60,7 @@ def test_gemm_matches_reference_and_rows_are_invariant(fmt, n, k, threads):
     try:
         y = gemm(x, weight)
         rows = [torch.cat([gemm(x[i:i + 1], weight) for i in range(13)])]
-        rows += [torch.cat([gemm(x[a:a + m], weight) for a in range(0, 13, m)]) for m in (2, 3, 4, 5, 8)]
+        rows += [torch.cat([gemm(x[a:a + m], weight) for a in range(0, 13, m)]) for m in (2, 3, 4, 5, 8, 9)]
     finally:
         torch.set_num_threads(old)
     xq, xd = cg.quantize_activations(x)
@@ -84,7 +84,7 @@ def test_activation_quantization_is_q8_per_group_of_32():
 def test_q4_weight_keeps_gguf_q4_1_codes():
     w = torch.randn(64, 128) * 0.1
     weight = _q4(w)
-    assert weight.packed.shape == (64, 2, 40) and weight.nbytes() == 64 * 128 * 5 // 8
+    assert weight.packed.shape == (4, 4, 320) and weight.nbytes() == 64 * 128 * 5 // 8  # GGUF Q4_1's 5 bits
     assert (weight.dequantize() - w).abs().max() <= weight.scales_and_mins()[0].max() * 0.51
 
 
@@ -92,9 +92,9 @@ def test_quant_linear_picks_the_c_kernels_where_they_run():
     w = torch.randn(96, 128)
     assert QuantLinear.from_float(w, "int4").kernel == "native"
     assert QuantLinear.from_float(w, "int4", kernel="torch").kernel == "torch"
-    assert QuantLinear.from_float(torch.randn(96, 96), "int8").kernel == "torch"  # K not a multiple of 64
+    assert QuantLinear.from_float(torch.randn(96, 80), "int8").kernel == "torch"  # K not a multiple of 32
     with pytest.raises(ValueError, match="native"):
-        QuantLinear.from_float(torch.randn(96, 96), "int8", kernel="native")
+        QuantLinear.from_float(torch.randn(96, 80), "int8", kernel="native")
 
 
 def _model(mode: str, seed: int = 0):

@@ -12,10 +12,10 @@ of int4 decode speed (31.4 vs 35.6 tok/s, 1 thread, shared machine).
 
 Kernels, chosen per linear (``QuantLinear.kernel``):
 * ``native`` (where the CPU has AVX-512 VNNI, a C compiler is found and in_features is a multiple
-  of 64; ``kernels/cpu``): our C GEMMs. The activations are quantized per row and group of 32 to
+  of 32; ``kernels/cpu``): our C GEMMs. The activations are quantized per row and group of 32 to
   int8 inside the call (GGUF's Q8 activations, as llama.cpp does) and multiplied as integers
-  (vpdpbusd); int4 weights are GGUF Q4_1's (codes, fp16 d and m per group of 32) in one 40-byte
-  record per 64 columns. When every linear of the model runs natively, ``quantize_model`` also
+  (vpdpbusd); int4 weights are GGUF Q4_1's (codes, fp16 d and m per group of 32), laid out
+  by blocks of 16 output columns (one register lane per column: no horizontal sums). When every linear of the model runs natively, ``quantize_model`` also
   sets ``model.cpu_forward``: the whole decoder in one C call (``engine/model/cpu_forward.py``).
   Measured, default model, batch-1 decode step, 2 threads: 20.2 -> 9.3 ms (``benches/decode_step.py``).
 * ``torch``: torch's CPU weight-only GEMMs. The activations enter the kernel in bf16 and its
@@ -102,7 +102,7 @@ class QuantLinear:
                    group_size: int = INT4_GROUP_SIZE, act_dtype: torch.dtype = torch.bfloat16,
                    kernel: str = "auto") -> QuantLinear:
         """``kernel``: ``native`` (the C kernels; ValueError where they cannot run), ``torch``, or
-        ``auto`` (native where it runs: AVX-512 VNNI, in_features a multiple of 64, group 32)."""
+        ``auto`` (native where it runs: AVX-512 VNNI, in_features a multiple of 32, group 32)."""
         w = weight.detach().float()
         n, k = w.shape
         if mode not in QUANTIZATIONS[1:]:
