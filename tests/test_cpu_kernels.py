@@ -133,3 +133,29 @@ def test_c_forward_is_batch_invariant(cfg64, mode):
         for s, (a, b) in enumerate(zip(ref, got)):
             diff = (a != b).any(-1).nonzero().flatten().tolist()
             assert not diff, f"{mode} schedule {name!r}, seq {s}: positions {diff[:10]} differ"
+
+
+def test_c_forward_refuses_out_of_range_indices(cfg64):
+    """The C forward indexes raw memory: bad positions or slots raise IndexError (as torch's
+    indexing does on the torch path) and leave the cache untouched."""
+    from tokenbudget.engine.worker.kv_cache_alloc import allocate_kv_caches
+    from tokenbudget.engine.worker.model_runner import ModelRunner
+    from tokenbudget.scheduler.output import SchedulerOutput
+    from tokenbudget.scheduler.request import Request
+
+    from model_helpers import scheduled
+
+    model = _model("int4")
+    runner = ModelRunner(model, CFG64, allocate_kv_caches(CFG64, 4, 8, torch.float32, "cpu"), 8, sampler=None)
+    sched = SchedulerOutput()
+    sched.scheduled.append(scheduled(Request("r", [1, 2, 3]), 0, 3, [1, 2, 3], [], [2]))
+    ids, pos, md, _ = runner.prepare_inputs(sched)
+    before = [kv.clone() for kv in runner.kv_caches]
+    bad_pos = pos.clone()
+    bad_pos[1] = CFG64.max_position_embeddings
+    with pytest.raises(IndexError, match="positions"):
+        model(ids, bad_pos, md, runner.kv_caches)
+    md.slot_mapping[2] = 4 * 8
+    with pytest.raises(IndexError, match="slots"):
+        model(ids, pos, md, runner.kv_caches)
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches))

@@ -78,6 +78,19 @@ class CpuForward:
             self._table_key = key
         return self._table
 
+    def _check_bounds(self, pos: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, kv: torch.Tensor) -> None:
+        """The C code indexes raw memory: an out-of-range position, slot or block must raise here
+        (as torch's indexing would on the torch path) instead of reading or writing past a buffer."""
+        num_blocks, block_size = kv.shape[0], kv.shape[2]
+        p_lo, p_hi = torch.aminmax(pos)
+        s_lo, s_hi = torch.aminmax(slots)
+        b_lo, b_hi = torch.aminmax(tables)
+        if p_lo < 0 or p_hi >= self.model.rope.max_pos:
+            raise IndexError(f"positions must be in [0, {self.model.rope.max_pos}), got [{int(p_lo)}, {int(p_hi)}]")
+        if s_lo < 0 or s_hi >= num_blocks * block_size or b_lo < 0 or b_hi >= num_blocks:
+            raise IndexError(f"KV slots [{int(s_lo)}, {int(s_hi)}] / blocks [{int(b_lo)}, {int(b_hi)}] "
+                             f"outside the cache ({num_blocks} blocks of {block_size})")
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
                  kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """-> the last layer's residual stream ``[T, hidden]`` (the caller applies the final norm)."""
@@ -101,6 +114,7 @@ class CpuForward:
                              m.config.intermediate_size, len(m.layers), kv_caches[0].shape[2], max_blocks,
                              torch.get_num_threads()], dtype=torch.int64)
         slots = md.slot_mapping[:t].contiguous()
+        self._check_bounds(pos, slots, tables, kv_caches[0])
         if library().tb_forward(dims.data_ptr(), self._fparams.data_ptr(), layers.data_ptr(), x.data_ptr(),
                                 pos.data_ptr(), m.rope.cos.data_ptr(), m.rope.sin.data_ptr(), slots.data_ptr(),
                                 ctx.data_ptr(), req.data_ptr(), tables.data_ptr()):
