@@ -270,10 +270,27 @@ static void rope_heads(float *x, int64_t nh, int64_t d, const float *cos, const 
     }
 }
 
-INLINE float dot_row(const float *a, const float *b, int64_t d) {
+/* q . k for one key, left in 16 lanes (summed by hsum16 with the other keys of its group). */
+INLINE __m512 dot_lanes(const float *a, const float *b, int64_t d) {
     __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
     for (int64_t i = 16; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-    return _mm512_reduce_add_ps(acc);
+    return acc;
+}
+
+/* Lane j of the result = the sum of the 16 lanes of a[j]. The same add tree for every j (pairs
+ * within 128-bit segments, then segments), so a key's score does not depend on its slot. */
+INLINE __m512 hsum16(const __m512 a[16]) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 typedef struct {
@@ -281,16 +298,31 @@ typedef struct {
     float eps, scale;
 } Dims;
 
-/* Attention of query row t, kv head g (its G = hq / hk query heads) over positions 0..ctx-1 of its
- * request's paged cache ([blocks][2][bs][hk][d]). Scores, max, exp, the sum and P @ V run in
- * position order. */
+#define MAX_GROUP 8 /* query heads per kv head handled together in P @ V (more: several passes) */
+
+/* Attention of one query row, kv head g (its G = hq / hk query heads) over positions 0..ctx-1 of
+ * its request's paged cache ([blocks][2][bs][hk][d]). Scores in groups of 16 keys (fixed from
+ * position 0), then per head max, exp and sum, then P @ V in position order: every operation's
+ * order is fixed by ctx alone. */
 static void attend_row(const Dims *dm, const float *q, const float *kv, const int32_t *blocks, int64_t ctx,
                        int64_t g, float *scores, float *out) {
-    const int64_t d = dm->d, hk = dm->hk, gsz = dm->hq / hk, bs = dm->bs;
-    for (int64_t p = 0; p < ctx; p++) {
-        const float *k = kv + ((int64_t)blocks[p / bs] * 2 * bs + p % bs) * hk * d + g * d;
-        for (int64_t j = 0; j < gsz; j++) scores[j * ctx + p] = dot_row(q + (g * gsz + j) * d, k, d) * dm->scale;
+    const int64_t d = dm->d, hk = dm->hk, gsz = dm->hq / hk, bs = dm->bs, nv = d / 16;
+    const __m512 scale = _mm512_set1_ps(dm->scale);
+    for (int64_t j = 0; j < gsz; j++) {
+        const float *qj = q + (g * gsz + j) * d;
+        for (int64_t p0 = 0; p0 < ctx; p0 += 16) {
+            const int64_t n = ctx - p0 < 16 ? ctx - p0 : 16;
+            __m512 acc[16];
+            for (int64_t i = 0; i < 16; i++) {
+                const int64_t p = p0 + i;
+                acc[i] = i < n ? dot_lanes(qj, kv + ((int64_t)blocks[p / bs] * 2 * bs + p % bs) * hk * d + g * d, d)
+                               : _mm512_setzero_ps();
+            }
+            const __mmask16 mk = n == 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
+            _mm512_mask_storeu_ps(scores + j * ctx + p0, mk, _mm512_mul_ps(hsum16(acc), scale));
+        }
     }
+    float inv[gsz];
     for (int64_t j = 0; j < gsz; j++) {
         float *s = scores + j * ctx;
         float mx = -INFINITY;
@@ -304,16 +336,25 @@ static void attend_row(const Dims *dm, const float *q, const float *kv, const in
             _mm512_mask_storeu_ps(s + p, mk, e);
             sum = _mm512_add_ps(sum, e);
         }
-        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-        __m512 acc[16];
-        for (int64_t i = 0; i < d / 16; i++) acc[i] = _mm512_setzero_ps();
+        inv[j] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    /* P @ V: the V rows are loaded once per position for up to MAX_GROUP heads. */
+    for (int64_t j0 = 0; j0 < gsz; j0 += MAX_GROUP) {
+        const int64_t nh = gsz - j0 < MAX_GROUP ? gsz - j0 : MAX_GROUP;
+        __m512 acc[MAX_GROUP][16];
+        for (int64_t j = 0; j < nh; j++)
+            for (int64_t i = 0; i < nv; i++) acc[j][i] = _mm512_setzero_ps();
         for (int64_t p = 0; p < ctx; p++) {
             const float *v = kv + (((int64_t)blocks[p / bs] * 2 + 1) * bs + p % bs) * hk * d + g * d;
-            const __m512 sp = _mm512_set1_ps(s[p]);
-            for (int64_t i = 0; i < d / 16; i++) acc[i] = _mm512_fmadd_ps(sp, _mm512_loadu_ps(v + 16 * i), acc[i]);
+            for (int64_t j = 0; j < nh; j++) {
+                const __m512 sp = _mm512_set1_ps(scores[(j0 + j) * ctx + p]);
+                for (int64_t i = 0; i < nv; i++) acc[j][i] = _mm512_fmadd_ps(sp, _mm512_loadu_ps(v + 16 * i), acc[j][i]);
+            }
         }
-        float *o = out + (g * gsz + j) * d;
-        for (int64_t i = 0; i < d / 16; i++) _mm512_storeu_ps(o + 16 * i, _mm512_mul_ps(acc[i], inv));
+        for (int64_t j = 0; j < nh; j++) {
+            float *o = out + (g * gsz + j0 + j) * d;
+            for (int64_t i = 0; i < nv; i++) _mm512_storeu_ps(o + 16 * i, _mm512_mul_ps(acc[j][i], _mm512_set1_ps(inv[j0 + j])));
+        }
     }
 }
 
