@@ -56,17 +56,29 @@ def _prepack(weight: torch.Tensor):
         return None
 
 
-class Linear:
-    """``y = x @ W.T + b`` through oneDNN with a prepacked weight when available."""
+_UNSET = object()
 
-    __slots__ = ("weight", "bias", "packed", "invariant", "_fp32")
+
+class Linear:
+    """``y = x @ W.T + b`` through oneDNN with a prepacked weight when available. The prepacked
+    copy is made at the first call, so a linear that is quantized before it runs (``quant.py``)
+    never pays for one (0.5 s of the default model's start-up)."""
+
+    __slots__ = ("weight", "bias", "_packed", "invariant", "_fp32")
     row_multiple = ROW_MULTIPLE
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
-        self.packed = _prepack(weight)
+        self._packed = _UNSET
         self.invariant = False  # deterministic mode: the batch-invariant Triton matmul
         self._fp32: Linear | None = None  # CPU fp32 copy for fp32_out, made on first use
+
+    @property
+    def packed(self):
+        """The oneDNN-prepacked weight, or None where it does not apply (``_prepack``)."""
+        if self._packed is _UNSET:
+            self._packed = _prepack(self.weight)
+        return self._packed
 
     def _invariant(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         from tokenbudget.kernels.batch_invariant_matmul import matmul_batch_invariant
