@@ -60,8 +60,8 @@ def _compiler() -> str | None:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("TOKENBUDGET_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tokenbudget")
-    return Path(root) / "native"
+    from tokenbudget.engine.loader.default_model import cache_dir  # the one cache root (light module)
+    return Path(cache_dir()) / "native"
 
 
 def _build(cc: str) -> Path:
