@@ -8,6 +8,7 @@ computed alone. Kernels:
   fp32    oneDNN prepacked fp32 linear (today's path, ``layers.Linear``)
   int8    ``aten._weight_int8pack_mm`` (int8 weight, per-output-channel fp32 scales)
   int4gG  ``aten._weight_int4pack_mm_for_cpu`` (asymmetric 4-bit, group size G)
+  int8 C, int4g32 C  our C kernels (``kernels/cpu``; fp32 activations, quantized to int8 inside)
 (quantized kernels take bf16 activations by default, ``--act float32`` for fp32 ones). Weights are
 reused call after call, so a shape's weights sit in cache: this favours fp32 (the model's 540 MB
 of fp32 weights do not fit); ``benches/quant_quality.py`` measures whole-model decode.
@@ -25,6 +26,7 @@ import torch
 
 from tokenbudget.engine.model.layers import Linear, pad_rows
 from tokenbudget.engine.model.quant import QuantLinear
+from tokenbudget.kernels.cpu import quant_gemm as cpu_gemm
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}
@@ -32,10 +34,13 @@ SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (5
 
 def kernels(w: torch.Tensor, act: torch.dtype):
     yield "fp32", Linear(w)
-    yield "int8", QuantLinear.from_float(w, "int8", act_dtype=act)
+    yield "int8", QuantLinear.from_float(w, "int8", act_dtype=act, kernel="torch")
     for g in (32, 64, 128):
         if w.shape[1] % g == 0:  # 576 is not a multiple of 128
-            yield f"int4g{g}", QuantLinear.from_float(w, "int4", group_size=g, act_dtype=act)
+            yield f"int4g{g}", QuantLinear.from_float(w, "int4", group_size=g, act_dtype=act, kernel="torch")
+    if cpu_gemm.supports(w.shape[1]):
+        yield "int8 C", QuantLinear.from_float(w, "int8", kernel="native")
+        yield "int4g32 C", QuantLinear.from_float(w, "int4", kernel="native")
 
 
 def padded(fn, x: torch.Tensor) -> torch.Tensor:
