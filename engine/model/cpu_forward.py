@@ -18,8 +18,6 @@ multiple of 16 and at most 256, and the step's KV cache fp32 on the CPU; else th
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from tokenbudget.kernels.attention.base import AttentionMetadata
@@ -39,7 +37,7 @@ def _lin_fields(lin) -> list[int]:
 class CpuForward:
     """Holds the per-layer pointer table (the model's tensors stay owned by the model)."""
 
-    __slots__ = ("model", "_fparams", "_norms", "_weights", "_table", "_table_key")
+    __slots__ = ("_fparams", "_norms", "_table", "_table_key", "_weights", "model")
 
     def __init__(self, model):
         self.model = model

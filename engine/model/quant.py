@@ -14,10 +14,11 @@ Kernels, chosen per linear (``QuantLinear.kernel``):
 * ``native`` (where the CPU has AVX-512 VNNI, a C compiler is found and in_features is a multiple
   of 32; ``kernels/cpu``): our C GEMMs. The activations are quantized per row and group of 32 to
   int8 inside the call (GGUF's Q8 activations, as llama.cpp does) and multiplied as integers
-  (vpdpbusd); int4 weights are GGUF Q4_1's (codes, fp16 d and m per group of 32), laid out
-  by blocks of 16 output columns (one register lane per column: no horizontal sums). When every linear of the model runs natively, ``quantize_model`` also
-  sets ``model.cpu_forward``: the whole decoder in one C call (``engine/model/cpu_forward.py``).
-  Measured, default model, batch-1 decode step, 2 threads: 20.2 -> 9.3 ms (``benches/decode_step.py``).
+  (vpdpbusd); int4 weights are GGUF Q4_1's (codes, fp16 d and m per group of 32), laid out by
+  blocks of 16 output columns (one register lane per column: no horizontal sums). When every
+  linear of the model runs natively, ``quantize_model`` also sets ``model.cpu_forward``: the
+  whole decoder in one C call (``engine/model/cpu_forward.py``). Measured, default model, batch-1
+  decode step: 16.5-28 ms -> 5.3-6.6 ms (benches/RESULTS.md, "C kernels on the CPU").
 * ``torch``: torch's CPU weight-only GEMMs. The activations enter the kernel in bf16 and its
   output is cast back to fp32: in torch 2.13 both kernels are vectorized (AVX-512) only for bf16
   inputs (with fp32 inputs they ran 20-40x slower than the fp32 oneDNN linear, ``benches/
