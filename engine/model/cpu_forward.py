@@ -55,7 +55,7 @@ class CpuForward:
         from tokenbudget.engine.model.quant import QuantLinear
         if library() is None or model.dtype != torch.float32 or model.device.type != "cpu":
             return None
-        if model.head_dim % 16 or model.head_dim > 256 or model.config.hidden_size % 16:
+        if model.head_dim % 16 or model.head_dim > 256:  # hidden/intermediate: the native linears' K % 32
             return None
         for lw in model.layers:
             for lin in (lw.qkv, lw.o, lw.gate_up, lw.down):

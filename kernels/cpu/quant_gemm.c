@@ -412,7 +412,10 @@ int tb_forward(const int64_t *dims, const float *fparams, const int64_t *layers,
                     attend_row(&dm, qkv + r * qkvn, kv, block_tables + (int64_t)row_req[r] * dm.max_blocks, row_ctx[r], g,
                                scores, att + r * qsz);
             }
-            if (!scores) rc = -1;
+            if (!scores) {
+#pragma omp atomic write
+                rc = -1;
+            }
             free(scores);
         }
         rc |= linear(&lo, att, t, qsz, h, x, 1, nthreads);
