@@ -1,7 +1,8 @@
 """The OpenAI-compatible routes on one ``AsyncLLM``.
 
     POST /v1/completions, POST /v1/chat/completions (JSON, or SSE with ``"stream": true``)
-    GET /v1/models, GET /health (503 once the engine is dead), GET /metrics (Prometheus)
+    GET /v1/models, GET /health (503 once the engine is dead), GET /metrics (Prometheus),
+    GET /version (what routers probe; ``readiness`` adds 503s while loading and draining)
 
 Every check runs before a response starts: the body decodes strictly (``protocol``), then
 ``AsyncLLM.add_request`` validates and queues synchronously, so a bad field is a 400, a full
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import importlib.metadata
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -29,7 +31,11 @@ from tokenbudget.engine.serve import protocol as proto
 from tokenbudget.engine.serve import responses as resp
 from tokenbudget.engine.serve.metrics import CONTENT_TYPE, ServerMetrics
 
-_OPEN_PATHS = ("/health", "/metrics")
+try:
+    _VERSION = importlib.metadata.version("tokenbudget")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    _VERSION = "0+unknown"
+_OPEN_PATHS = ("/health", "/metrics", "/version")
 
 
 class _Json(JSONResponse):
@@ -98,7 +104,7 @@ class _RequireKey:
 class OpenAIServer:
     def __init__(self, llm, model_name: str) -> None:
         self.llm, self.model_name = llm, model_name
-        self.metrics = ServerMetrics(llm)
+        self.metrics = ServerMetrics(llm, model_name)
         self.token_text = resp.TokenText(llm.tokenizer)
 
     # ---------------------------------------------------------------- requests
@@ -242,8 +248,13 @@ def build_app(llm, model_name: str, api_key: str | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return _Json({"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                                  "owned_by": "tokenbudget",
+                                                  "owned_by": "tokenbudget", "root": llm.engine.config.model
+                                                  or model_name, "parent": None,
                                                   "max_model_len": llm.engine.max_model_len}]})
+
+    @app.get("/version")
+    async def version():
+        return _Json({"version": _VERSION})
 
     @app.get("/health")
     async def health():
