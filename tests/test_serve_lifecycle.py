@@ -91,7 +91,7 @@ def test_metrics_parse(llm_and_url):
         assert r.status_code == 200
     text = httpx.get(f"{url}/metrics", timeout=30).text
     families = {f.name: f for f in prometheus_parser.text_string_to_metric_families(text)}
-    assert all(name.startswith("tokenbudget_") for name in families)
+    assert all(name.startswith(("tokenbudget_", "vllm:")) for name in families)  # vllm: for routers
     for name in ("tokenbudget_time_to_first_token_seconds", "tokenbudget_time_per_output_token_seconds",
                  "tokenbudget_e2e_request_latency_seconds", "tokenbudget_request_queue_time_seconds"):
         assert families[name].type == "histogram"
