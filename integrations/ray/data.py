@@ -21,6 +21,8 @@ or ``messages`` (a chat, always templated), or ``prompt_token_ids``; optionally
 through. Added columns: ``OUTPUT_COLUMNS``. A row whose request fails (a bad field, a fault the
 engine isolated to it, a dead engine) comes back with ``error`` set and ``finish_reason``
 "error" instead of failing the job: a job of a million rows must not die at row 900,000.
+``error`` is "" on success (never null: every block, and every Parquet file written from one,
+then has the same string column).
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ class TokenbudgetStage:
             stream = self.llm.add_request(f"ray-{next(self._ids)}", self._prompt(row), params)
             async for out in stream:
                 pass
-            return {**row, **_result(out, None)}
+            return {**row, **_result(out, "")}
         except Exception as exc:  # noqa: BLE001 - the row carries it; the job goes on
             failed = getattr(exc, "output", None) or out
             return {**row, **_result(failed, f"{type(exc).__name__}: {exc}")}
@@ -146,14 +148,14 @@ def _plain(value):
     return value
 
 
-def _result(out, error: str | None) -> dict[str, Any]:
+def _result(out, error: str) -> dict[str, Any]:
     c = out.outputs[0] if out is not None and out.outputs else None
     m = out.metrics if out is not None else None
     return {"generated_text": c.text if c else "",
             "generated_token_ids": list(c.token_ids) if c else [],
             "num_input_tokens": len(out.prompt_token_ids) if out is not None else 0,
             "num_generated_tokens": len(c.token_ids) if c else 0,
-            "finish_reason": "error" if error is not None else c.finish_reason,
+            "finish_reason": "error" if error else c.finish_reason,
             "error": error,
             "num_draft_tokens": m.num_draft_tokens if m else 0,
             "num_accepted_tokens": m.num_accepted_tokens if m else 0,
