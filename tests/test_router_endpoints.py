@@ -70,7 +70,8 @@ def test_health_is_503_while_loading_then_200_and_the_probes_answer():
     with replica(load) as (url, server, _):
         r = httpx.get(f"{url}/health", timeout=10)
         assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
-        assert httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10).status_code == 503
+        early = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10)
+        assert early.status_code == 503
         release.set()
         _wait(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 200)
         (model,) = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
