@@ -33,13 +33,13 @@ def serve_url():
 
 
 def test_two_replicas_serve_and_scale_down_drains(serve_url):
-    from tokenbudget.integrations.ray.serve import MAX_ONGOING_REQUESTS, TokenbudgetDeployment
+    from tokenbudget.integrations.ray.serve import MAX_ONGOING_REQUESTS, TokenbudgetDeployment, app_builder
 
     assert TokenbudgetDeployment._deployment_config.max_ongoing_requests == MAX_ONGOING_REQUESTS > 5
 
-    def deploy(n: int):
-        serve.run(TokenbudgetDeployment.options(num_replicas=n).bind(engine_options=ENGINE_OPTS),
-                  name="tokenbudget", route_prefix="/")
+    def deploy(n: int):  # what `serve run tokenbudget.integrations.ray.serve:app_builder k=v ...` does
+        args = {"num_replicas": str(n), **{k: json.dumps(v) for k, v in ENGINE_OPTS.items()}}
+        serve.run(app_builder(args), name="tokenbudget", route_prefix="/")
 
     deploy(2)
     r = httpx.post(f"{serve_url}/v1/completions", timeout=120,
