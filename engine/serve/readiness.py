@@ -112,10 +112,11 @@ class DrainingServer(uvicorn.Server):
 
 
 def make_replica_server(load: Callable[[], object], model_name: str, host: str = "127.0.0.1", port: int = 8000,
-                        api_key: str | None = None, grace_period: float = 30.0,
-                        log_level: str = "info") -> tuple[DrainingServer, threading.Thread]:
-    """A server that listens at once and serves once ``load()`` (an ``AsyncLLM``) returns; the
-    loader thread (not started). A failed load stops the server (``server.load_error``)."""
+                        api_key: str | None = None, grace_period: float = 30.0, log_level: str = "info",
+                        app_options: dict | None = None) -> tuple[DrainingServer, threading.Thread]:
+    """A server that listens at once and serves ``build_app(llm, model_name, api_key,
+    **app_options)`` once ``load()`` (an ``AsyncLLM``) returns; the loader thread (not started).
+    A failed load stops the server (``server.load_error``)."""
     from tokenbudget.engine.serve.app import build_app
 
     gate = ReplicaGate()
@@ -127,7 +128,7 @@ def make_replica_server(load: Callable[[], object], model_name: str, host: str =
     def loader() -> None:
         try:
             llm = load()
-            gate.open(build_app(llm, model_name, api_key), llm)
+            gate.open(build_app(llm, model_name, api_key, **(app_options or {})), llm)
             logger.info("tokenbudget: %s loaded; /health is 200", model_name)
         except BaseException as exc:  # noqa: BLE001 - reported, and the server stops
             logger.exception("tokenbudget: loading %s failed", model_name)
