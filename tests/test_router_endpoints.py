@@ -98,6 +98,8 @@ def test_health_is_503_while_loading_then_200_and_the_probes_answer():
         (hits,) = samples["vllm:prefix_cache_hits_total"]
         assert queries.value == stats.prefix_cache_queries > 0 and hits.value == stats.prefix_cache_hits
         assert queries.labels == hits.labels == {"model_name": MODEL}
+        assert samples["vllm:gpu_prefix_cache_queries_total"][0].value == queries.value  # the older names
+        assert samples["vllm:gpu_prefix_cache_hits_total"][0].value == hits.value
         (gen,) = samples["vllm:generation_tokens_total"]
         assert gen.value == stats.num_generation_tokens_total >= 4
         assert samples["tokenbudget_kv_cache_usage_perc"][0].value == stats.kv_usage  # the native ones stay

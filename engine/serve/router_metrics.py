@@ -4,8 +4,9 @@ SMG, vllm-router, llm-d's endpoint picker and vLLM's production-stack router rea
 ``/metrics`` as if it were vLLM: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:kv_cache_usage_perc`` (a fraction 0-1; SMG's least-load policy refuses a vLLM worker
 without it) and its older alias ``vllm:gpu_cache_usage_perc``, ``vllm:cache_config_info``
-(``block_size``, ``num_gpu_blocks`` as labels, value 1), prefix-cache query/hit counters and
-token counters, each with a ``model_name`` label. They are read from ``AsyncLLM.get_stats()`` at
+(``block_size``, ``num_gpu_blocks`` as labels, value 1), prefix-cache query/hit counters (under
+vLLM v1's names and the older ``vllm:gpu_prefix_cache_*`` ones: routers and dashboards read
+either) and token counters, each with a ``model_name`` label. They are read from ``AsyncLLM.get_stats()`` at
 scrape time, the same snapshot the native ``tokenbudget_*`` names come from, so the two sets
 always agree.
 """
@@ -40,6 +41,9 @@ class VllmNamesCollector:
         counters = (("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                      s.prefix_cache_queries),
                     ("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits),
+                    ("vllm:gpu_prefix_cache_queries", "The older name of vllm:prefix_cache_queries.",
+                     s.prefix_cache_queries),
+                    ("vllm:gpu_prefix_cache_hits", "The older name of vllm:prefix_cache_hits.", s.prefix_cache_hits),
                     ("vllm:prompt_tokens", "Prompt tokens of the accepted requests.", s.num_prompt_tokens_total),
                     ("vllm:generation_tokens", "Output tokens committed.", s.num_generation_tokens_total),
                     ("vllm:num_preemptions", "Preemptions.", s.num_preemptions_total))
