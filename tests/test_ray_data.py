@@ -7,6 +7,7 @@ row with a bad field carries its error instead of failing the job.
 
 from __future__ import annotations
 
+import os
 import pytest
 
 ray = pytest.importorskip("ray", reason="needs the [ray] extra: ray[data,serve]")
@@ -28,6 +29,7 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 @pytest.fixture(scope="module")
 def cluster():
     default_loaded()  # skips when the default model cannot be had
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage report leaves the machine
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield

@@ -7,6 +7,7 @@ drains: streams in flight on the removed replica still end with ``[DONE]``.
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import pytest
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.ray
 @pytest.fixture(scope="module")
 def serve_url():
     default_loaded()  # skips when the default model cannot be had
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage report leaves the machine
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
