@@ -8,6 +8,7 @@ row with a bad field carries its error instead of failing the job.
 from __future__ import annotations
 
 import os
+
 import pytest
 
 ray = pytest.importorskip("ray", reason="needs the [ray] extra: ray[data,serve]")

@@ -19,7 +19,7 @@ import logging
 import signal
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import msgspec
 import uvicorn
