@@ -64,7 +64,7 @@ def engine_generate(llm, prompts: Sequence[list[int]], max_tokens: int, ignore_e
     ``ttft_s`` is when every request has its first generated token (for batch 1: time to
     first token).
     """
-    from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
+    from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
 
     engine = llm.engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos,

@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from tokenbudget.engine.api.sampling_params import SamplingParams  # noqa: E402
+from tokenbudget.api.sampling_params import SamplingParams  # noqa: E402
 from tokenbudget.scheduler.output import ScheduledRequest, SchedulerOutput  # noqa: E402
 
 from benches.common import machine_info, replace_section, write_json  # noqa: E402

@@ -24,7 +24,7 @@ from typing import Any
 from tokenbudget.scheduler.drafts import DraftBatch, draft_limit
 from tokenbudget.scheduler.output import EngineCoreOutput
 from tokenbudget.scheduler.request import Request
-from tokenbudget.spec.config import SpeculativeConfig
+from tokenbudget.api.spec_config import SpeculativeConfig
 from tokenbudget.spec.metrics import SpecDecodingStats
 
 

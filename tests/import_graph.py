@@ -33,9 +33,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("structured output", ("tokenbudget.engine.structured",)),
     ("worker: runners, sampler", ("tokenbudget.engine.worker",)),
     ("core: EngineCore, outputs, wiring", ("tokenbudget.engine.core",)),
-    ("front-ends: LLM, LLMEngine, AsyncLLM, serve", ("tokenbudget.engine.api", "tokenbudget.engine.serve")),
+    ("front-ends: LLM, LLMEngine, AsyncLLM, serve", ("tokenbudget.engine.entrypoints", "tokenbudget.engine.serve")),
     ("test kit: fake model, harness, fuzzing", ("tokenbudget.testing",)),
-    ("console script, namespace root", ("tokenbudget.engine.cli", "tokenbudget.__main__", "tokenbudget")),
+    ("console script, namespace root", ("tokenbudget.cli", "tokenbudget.__main__", "tokenbudget")),
 )
 # Package-level shells: a package's __init__ sits in the layer of its package, except these,
 # which only name their children.

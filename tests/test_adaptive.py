@@ -18,7 +18,7 @@ from tokenbudget.spec.adaptive import (
     expected_tokens,
     optimal_draft_lengths,
 )
-from tokenbudget.spec.config import SpeculativeConfig
+from tokenbudget.api.spec_config import SpeculativeConfig
 from tokenbudget.spec.cost_model import StepCostModel
 
 

@@ -71,7 +71,7 @@ def test_deterministic_mode_model_interpreted():
 
 
 def test_deterministic_mode_is_a_noop_on_cpu_without_the_interpreter(monkeypatch):
-    from tokenbudget.engine.api.config import EngineConfig
+    from tokenbudget.api.config import EngineConfig
     from tokenbudget.engine.worker.deterministic import apply_deterministic_mode
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from tokenbudget.engine.api.llm import LLM
-from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.engine.entrypoints.llm import LLM
+from tokenbudget.api.sampling_params import SamplingParams
 
 from model_helpers import write_tokenizer_files  # noqa: E402
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from tokenbudget.spec.rejection_sampler import (
+from tokenbudget.kernels.rejection_ref import (
     PLACEHOLDER_TOKEN_ID,
     num_emitted,
     rejection_sample_reference,

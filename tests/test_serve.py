@@ -181,7 +181,7 @@ def test_api_key(url):
 
 
 def test_bench_serve_cli(url, tmp_path):
-    from tokenbudget.engine.cli.main import main
+    from tokenbudget.cli.main import main
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps(row) for row in (
         {"prompt": PROMPTS[0]}, {"messages": [{"role": "user", "content": "Say hi"}]},

@@ -17,8 +17,8 @@ import os
 
 import pytest
 
-from tokenbudget.engine.api.llm import LLM
-from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.engine.entrypoints.llm import LLM
+from tokenbudget.api.sampling_params import SamplingParams
 
 from engine_fixtures import default_target
 from test_draft_model import make_tiny_llama, make_truncated_copy

@@ -11,17 +11,17 @@ The subpackages live in folders of the repository root and install under this na
 architecture.
 """
 
-from tokenbudget.engine.api.config import EngineConfig
-from tokenbudget.engine.api.errors import EngineDeadError, EngineOverloadedError, RequestError
-from tokenbudget.engine.api.outputs import CompletionOutput, GenerateRequest, Logprob, RequestMetrics, RequestOutput
-from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
+from tokenbudget.api.config import EngineConfig
+from tokenbudget.api.errors import EngineDeadError, EngineOverloadedError, RequestError
+from tokenbudget.api.outputs import CompletionOutput, GenerateRequest, Logprob, RequestMetrics, RequestOutput
+from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
 from tokenbudget.engine.core.stats import EngineStats
-from tokenbudget.engine.structured.params import StructuredOutputsParams
+from tokenbudget.api.structured_params import StructuredOutputsParams
 
 _LAZY = {  # heavy (torch, model code): imported on first use
-    "LLM": "tokenbudget.engine.api.llm",
-    "LLMEngine": "tokenbudget.engine.api.llm_engine",
-    "AsyncLLM": "tokenbudget.engine.api.async_llm",
+    "LLM": "tokenbudget.engine.entrypoints.llm",
+    "LLMEngine": "tokenbudget.engine.entrypoints.llm_engine",
+    "AsyncLLM": "tokenbudget.engine.entrypoints.async_llm",
     "EngineCore": "tokenbudget.engine.core.engine_core",
 }
 

@@ -51,8 +51,8 @@ import logging
 import time
 from collections.abc import Collection
 
-from tokenbudget.engine.api.errors import EngineDeadError
-from tokenbudget.engine.api.outputs import RequestOutput
+from tokenbudget.api.errors import EngineDeadError
+from tokenbudget.api.outputs import RequestOutput
 from tokenbudget.engine.core.interrupts import deferred_sigint
 from tokenbudget.engine.core.output_processor import OutputProcessor
 from tokenbudget.engine.core.stats import EngineStats, ThroughputMeter, collect_stats

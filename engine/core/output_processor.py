@@ -33,8 +33,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from tokenbudget.engine.api.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
+from tokenbudget.api.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
 from tokenbudget.engine.core.parallel_sampling import ParentRequest
 from tokenbudget.engine.text.detokenizer import IncrementalDetokenizer
 from tokenbudget.engine.text.tokenizer import Tokenizer

@@ -18,7 +18,7 @@ from __future__ import annotations
 import operator
 from typing import Union
 
-from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.api.sampling_params import SamplingParams
 from tokenbudget.engine.text.tokenizer import Tokenizer
 from tokenbudget.scheduler.request import Request
 

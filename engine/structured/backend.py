@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from tokenbudget.engine.structured.params import StructuredOutputsParams
+    from tokenbudget.api.structured_params import StructuredOutputsParams
 
 __all__ = ["GrammarBackend", "GrammarMatcher", "grammar_source", "load_backend"]
 

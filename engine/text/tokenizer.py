@@ -113,7 +113,7 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> "Tokenizer":
         """Build from a GGUF file's ``tokenizer.*`` metadata (decoded to Python values)."""
-        from tokenbudget.engine.loader.gguf_tokenizer import build_gguf_tokenizer
+        from tokenbudget.engine.text.gguf_tokenizer import build_gguf_tokenizer
 
         return build_gguf_tokenizer(metadata)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenbudget.spec.config import SpeculativeConfig
+from tokenbudget.api.spec_config import SpeculativeConfig
 
 
 def build_proposer(config: SpeculativeConfig, max_model_len: int, target=None, scheduler=None):
@@ -14,7 +14,7 @@ def build_proposer(config: SpeculativeConfig, max_model_len: int, target=None, s
         from tokenbudget.spec.suffix import SuffixProposer
         return SuffixProposer.from_config(config, max_model_len)
     if config.method in ("draft_model", "self_draft"):
-        from tokenbudget.spec.draft_model import DraftModelProposer
+        from tokenbudget.engine.worker.draft_model import DraftModelProposer
         return DraftModelProposer.from_config(config, max_model_len, target, scheduler)
     raise ValueError(f"speculative_config['method'] {config.method!r} is not supported")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from tokenbudget.engine.cli.generate import speculative_config_from_args
+from tokenbudget.cli.generate import speculative_config_from_args
 
 
 def add_parser(sub) -> None:
@@ -47,7 +47,7 @@ def run(args) -> int:
         from tokenbudget.engine.serve.server import serve
     except ImportError as exc:
         raise ValueError(f"tokenbudget serve needs the serve extra: pip install 'tokenbudget[serve]' ({exc})") from None
-    from tokenbudget.engine.api.async_llm import AsyncLLM
+    from tokenbudget.engine.entrypoints.async_llm import AsyncLLM
     options = {name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name) is not None}
     if args.no_prefix_caching:
         options["enable_prefix_caching"] = False

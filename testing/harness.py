@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import random
 
-from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
+from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
 from tokenbudget.engine.core.engine_core import EngineCore
 from tokenbudget.engine.core.output_processor import OutputProcessor
 from tokenbudget.scheduler.config import SchedulerConfig
 from tokenbudget.scheduler.output import SchedulerOutput
 from tokenbudget.scheduler.request import Request
 from tokenbudget.scheduler.scheduler import Scheduler
-from tokenbudget.scheduler.testing.fake_model import FakeDrafter, FakeModelRunner, FakeModelSpec, reference_generate
-from tokenbudget.spec.config import SpeculativeConfig
+from tokenbudget.testing.fake_model import FakeDrafter, FakeModelRunner, FakeModelSpec, reference_generate
+from tokenbudget.api.spec_config import SpeculativeConfig
 from tokenbudget.spec.speculator import Speculator
 
 DELTA_PARAMS = SamplingParams(output_kind=RequestOutputKind.DELTA)

@@ -20,7 +20,7 @@ import time
 
 import msgspec
 
-from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
+from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
 
 
 def add_parser(sub) -> None:
@@ -71,7 +71,7 @@ def speculative_config_from_args(args) -> dict | None:
 def run(args) -> int:
     if (args.prompt is None) == (args.input is None):
         raise ValueError("give either a prompt or --input FILE")
-    from tokenbudget.engine.api.llm import LLM
+    from tokenbudget.engine.entrypoints.llm import LLM
     options = dict(dtype=args.dtype, quantization=args.quantization, device=args.device, max_model_len=args.max_model_len,
                    max_num_seqs=args.max_num_seqs, num_threads=args.threads,
                    speculative_config=speculative_config_from_args(args))

@@ -3,7 +3,7 @@ fake drafter, with injected faults and a fault-free twin.
 
 Rules add requests (random prompts, shared prefixes, priorities, limits), add bad ones (which
 must raise ValueError and change nothing), abort, step with random drafts and acceptance, and
-inject faults (``scheduler.testing.faults``): transient ones, ones tied to a request (in the
+inject faults (``testing.faults``): transient ones, ones tied to a request (in the
 runner or the proposer, before or after the forward pass, or a malformed runner output), and,
 rarely, an engine-wide one that must kill the engine cleanly (and only it, or steps in a row
 of requests that are all tied to faults, may). The twin gets the same requests,
@@ -21,13 +21,13 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tokenbudget.engine.api.errors import EngineDeadError
+from tokenbudget.api.errors import EngineDeadError
 from tokenbudget.scheduler.config import SchedulerConfig
-from tokenbudget.scheduler.testing.faults import FaultInjectingProposer, FaultInjectingRunner, FaultPlan
-from tokenbudget.scheduler.testing.fake_model import FakeModelSpec
-from tokenbudget.scheduler.testing.fingerprint import TransactionChecker
-from tokenbudget.scheduler.testing.harness import Harness
-from tokenbudget.scheduler.testing.strategies import request_specs, scheduler_configs
+from tokenbudget.testing.faults import FaultInjectingProposer, FaultInjectingRunner, FaultPlan
+from tokenbudget.testing.fake_model import FakeModelSpec
+from tokenbudget.testing.fingerprint import TransactionChecker
+from tokenbudget.testing.harness import Harness
+from tokenbudget.testing.strategies import request_specs, scheduler_configs
 
 SPEC = FakeModelSpec()
 PREFIXES = {1: [5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49], 2: [7, 7, 7, 7, 3, 3, 3, 3, 11, 2]}

@@ -55,7 +55,7 @@ from typing import Any
 import msgspec
 from msgspec.structs import force_setattr
 
-from tokenbudget.engine.structured.params import StructuredOutputsParams
+from tokenbudget.api.structured_params import StructuredOutputsParams
 
 __all__ = ["GREEDY_TEMPERATURE_EPS", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
-from tokenbudget.engine.api.errors import RequestError
-from tokenbudget.engine.api.outputs import CompletionOutput, RequestOutput
-from tokenbudget.engine.api.sampling_params import RequestOutputKind
+from tokenbudget.api.errors import RequestError
+from tokenbudget.api.outputs import CompletionOutput, RequestOutput
+from tokenbudget.api.sampling_params import RequestOutputKind
 
 _CUMULATIVE, _FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY
 

@@ -17,9 +17,9 @@ from typing import Any, Sequence
 
 import msgspec
 
-from tokenbudget.engine.api.llm_engine import LLMEngine
-from tokenbudget.engine.api.outputs import RequestOutput
-from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
+from tokenbudget.engine.entrypoints.llm_engine import LLMEngine
+from tokenbudget.api.outputs import RequestOutput
+from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
 from tokenbudget.engine.core.prompts import PromptInput
 
 

@@ -36,11 +36,11 @@ from typing import Any, AsyncIterator
 
 import msgspec
 
-from tokenbudget.engine.api.errors import EngineDeadError
-from tokenbudget.engine.api.llm_engine import LLMEngine
-from tokenbudget.engine.api.outputs import RequestOutput
-from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
-from tokenbudget.engine.api.stream import RequestStream
+from tokenbudget.api.errors import EngineDeadError
+from tokenbudget.engine.entrypoints.llm_engine import LLMEngine
+from tokenbudget.api.outputs import RequestOutput
+from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
+from tokenbudget.engine.entrypoints.stream import RequestStream
 from tokenbudget.engine.core.prompts import PromptInput
 from tokenbudget.engine.core.stats import EngineStats, check_admission
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import msgspec
 
-from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.api.sampling_params import SamplingParams
 
 
 class Logprob(msgspec.Struct):

@@ -89,7 +89,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         """The parsed ``speculative_config`` (a ``SpeculativeConfig``), or None."""
         if self.speculative_config is None:
             return None
-        from tokenbudget.spec.config import SpeculativeConfig
+        from tokenbudget.api.spec_config import SpeculativeConfig
         return SpeculativeConfig.from_dict(self.speculative_config)
 
     @classmethod

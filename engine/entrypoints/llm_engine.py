@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenbudget.engine.api.config import EngineConfig
-from tokenbudget.engine.api.outputs import RequestOutput
-from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.api.config import EngineConfig
+from tokenbudget.api.outputs import RequestOutput
+from tokenbudget.api.sampling_params import SamplingParams
 from tokenbudget.engine.core.prompts import PromptInput, make_request
 from tokenbudget.engine.core.stats import EngineStats, check_admission
 from tokenbudget.engine.core.wiring import load_and_wire

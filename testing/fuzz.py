@@ -35,7 +35,7 @@ from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
 from tokenbudget.scheduler.config import SchedulerConfig
-from tokenbudget.scheduler.testing.state_machine import machine_for
+from tokenbudget.testing.state_machine import machine_for
 
 _BLOB_RE = re.compile(r"@reproduce_failure\((['\"])([^'\"]+)\1,\s*(b(['\"])[^'\"]*\4)\)")
 

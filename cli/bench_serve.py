@@ -17,7 +17,7 @@ import contextlib
 import json
 import logging
 
-from tokenbudget.engine.cli.generate import speculative_config_from_args
+from tokenbudget.cli.generate import speculative_config_from_args
 
 
 def add_parser(sub) -> None:
@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
 @contextlib.contextmanager
 def local_server(args):
     """A ``tokenbudget serve`` in a thread of this process; yields its base URL."""
-    from tokenbudget.engine.api.async_llm import AsyncLLM
+    from tokenbudget.engine.entrypoints.async_llm import AsyncLLM
     from tokenbudget.engine.serve.server import server_in_thread, server_url
     options = {k: getattr(args, k) for k in ("num_threads", "max_num_seqs", "max_model_len")
                if getattr(args, k) is not None}

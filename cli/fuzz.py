@@ -4,7 +4,7 @@
 
 Exit status 0 when every invariant held, 1 after printing a shrunk failing program and the
 command that replays it, 2 on bad arguments (argparse) or an unreadable/invalid config file.
-``engine.cli`` calls ``add_parser`` and ``run``; ``python -m tokenbudget.engine.cli.fuzz ...``
+``engine.cli`` calls ``add_parser`` and ``run``; ``python -m tokenbudget.cli.fuzz ...``
 works alone. The engine's own fault warnings are silenced during the run: the state machine
 injects faults on purpose, thousands of them.
 """
@@ -38,7 +38,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenbudget.scheduler.testing.fuzz import load_config_file, run_fuzz
+    from tokenbudget.testing.fuzz import load_config_file, run_fuzz
 
     if args.examples < 1 or args.steps < 1:
         print("tokenbudget fuzz: --examples and --steps must be >= 1", file=sys.stderr)

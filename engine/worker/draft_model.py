@@ -70,7 +70,7 @@ from tokenbudget.engine.worker.logits_processing import compute_target_probs, pr
 from tokenbudget.engine.worker.sampler import SamplingRow
 from tokenbudget.scheduler.drafts import draft_limit
 from tokenbudget.scheduler.request import Request
-from tokenbudget.spec.draft_runner import DraftRunner
+from tokenbudget.engine.worker.draft_runner import DraftRunner
 from tokenbudget.spec.proposer import BaseProposer
 
 

@@ -10,13 +10,13 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenbudget", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    from tokenbudget.engine.cli import generate
+    from tokenbudget.cli import generate
     generate.add_parser(sub)
-    from tokenbudget.engine.cli import fuzz
+    from tokenbudget.cli import fuzz
     fuzz.add_parser(sub).set_defaults(run=fuzz.run)
-    from tokenbudget.engine.cli import serve
+    from tokenbudget.cli import serve
     serve.add_parser(sub)
-    from tokenbudget.engine.cli import bench_serve
+    from tokenbudget.cli import bench_serve
     bench_serve.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
