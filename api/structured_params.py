@@ -44,7 +44,7 @@ class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"structured_outputs must set exactly one of {', '.join(_KINDS)}; got "
                              f"{', '.join(kinds) or 'none'}")
         self._check_types(kinds[0])
-        from tokenbudget.engine.structured.backend import grammar_source
+        from tokenbudget.api.grammar_source import grammar_source  # llguidance: imported on first use
         grammar_source(self)  # ValueError naming the field for an invalid schema/regex/grammar
 
     def _check_types(self, kind: str) -> None:

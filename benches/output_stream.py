@@ -41,8 +41,8 @@ def load_tokenizer():
 
     from tokenbudget.engine.loader import default_model
     from tokenbudget.engine.loader.gguf_loader import read_gguf_metadata
-    from tokenbudget.engine.text.tokenizer import Tokenizer
-    return Tokenizer.from_gguf_metadata(read_gguf_metadata(default_model.default_model_path()))
+    from tokenbudget.engine.text.gguf_tokenizer import build_gguf_tokenizer
+    return build_gguf_tokenizer(read_gguf_metadata(default_model.default_model_path()))
 
 
 def build_core(tokenizer, num_tokens: int) -> EngineCore:

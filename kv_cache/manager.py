@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenbudget.kv_cache.block_pool import BlockPool, KVBlock
+from tokenbudget.kv_cache.block import KVBlock
+from tokenbudget.kv_cache.block_pool import BlockPool
 from tokenbudget.kv_cache.hashing import extend_block_hashes
 from tokenbudget.kv_cache.journal import UndoLog
 

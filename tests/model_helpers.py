@@ -46,12 +46,12 @@ def smollm2_gguf_tokenizer():
     """The default model's tokenizer read from its GGUF metadata (skips when unavailable)."""
     from tokenbudget.engine.loader import default_model as dm
     from tokenbudget.engine.loader.gguf_loader import read_gguf_metadata
-    from tokenbudget.engine.text.tokenizer import Tokenizer
+    from tokenbudget.engine.text.gguf_tokenizer import build_gguf_tokenizer
     try:
         path = dm.default_model_path()
     except RuntimeError as exc:
         pytest.skip(f"default model unavailable: {exc}")
-    return Tokenizer.from_gguf_metadata(read_gguf_metadata(path))
+    return build_gguf_tokenizer(read_gguf_metadata(path))
 
 
 def scheduled(req, nc: int, n: int, token_ids, spec, table, needs_sample: bool | None = None):

@@ -52,14 +52,13 @@ class CpuForward:
     @classmethod
     def build(cls, model) -> CpuForward | None:
         """A ``CpuForward`` for ``model``, or None where the C forward cannot run it (module doc)."""
-        from tokenbudget.engine.model.quant import QuantLinear
         if library() is None or model.dtype != torch.float32 or model.device.type != "cpu":
             return None
         if model.head_dim % 16 or model.head_dim > 256:  # hidden/intermediate: the native linears' K % 32
             return None
         for lw in model.layers:
             for lin in (lw.qkv, lw.o, lw.gate_up, lw.down):
-                if not isinstance(lin, QuantLinear) or lin.native is None:
+                if getattr(lin, "native", None) is None:  # a QuantLinear on the C kernels (quant.py)
                     return None
         return cls(model)
 

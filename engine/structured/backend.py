@@ -14,10 +14,10 @@ On this CPU and the default model's 49k-token vocabulary, against xgrammar 0.2.8
   TVM runtime), and it validates a grammar without a tokenizer, so ``SamplingParams`` can
   reject a bad schema at construction.
 
-The interface is what the engine needs and no more: a tokenizer-free ``grammar_source`` (the
-check at ``SamplingParams``), and per request a ``GrammarMatcher`` that fills a packed bitmask
-row, says how many of some tokens it would accept, consumes tokens, rolls back, and says when the
-output is complete.
+The interface is what the engine needs and no more: per request a ``GrammarMatcher`` (built from
+the tokenizer-free grammar source, ``api/grammar_source.py``, which is also the check at
+``SamplingParams``) that fills a packed bitmask row, says how many of some tokens it would
+accept, consumes tokens, rolls back, and says when the output is complete.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 if TYPE_CHECKING:
     from tokenbudget.api.structured_params import StructuredOutputsParams
 
-__all__ = ["GrammarBackend", "GrammarMatcher", "grammar_source", "load_backend"]
+__all__ = ["GrammarBackend", "GrammarMatcher"]
 
 
 class GrammarMatcher(ABC):
@@ -72,15 +72,3 @@ class GrammarBackend(ABC):
     def matcher(self, source: str) -> GrammarMatcher:
         """A matcher at the start of ``source`` (from ``grammar_source``); ValueError naming
         ``structured_outputs`` when the grammar cannot be built on this vocabulary."""
-
-
-def grammar_source(params: StructuredOutputsParams) -> str:
-    """The backend's grammar for ``params`` (cached); ValueError naming the field when invalid."""
-    from tokenbudget.engine.structured.llguidance_backend import grammar_source as source
-    return source(params)
-
-
-def load_backend(tokenizer, vocab_size: int) -> GrammarBackend:
-    """The backend for ``tokenizer`` (an ``engine.text.Tokenizer``) and ``vocab_size`` logits."""
-    from tokenbudget.engine.structured.llguidance_backend import LLGuidanceBackend
-    return LLGuidanceBackend(tokenizer, vocab_size)

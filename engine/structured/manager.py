@@ -29,8 +29,10 @@ import time
 import numpy as np
 import torch
 
-from tokenbudget.engine.structured.backend import GrammarBackend, GrammarMatcher, grammar_source, load_backend
+from tokenbudget.api.grammar_source import grammar_source
+from tokenbudget.engine.structured.backend import GrammarBackend, GrammarMatcher
 from tokenbudget.engine.structured.bitmask import apply_bitmask
+from tokenbudget.engine.structured.llguidance_backend import load_backend
 from tokenbudget.scheduler.drafts import DraftBatch
 from tokenbudget.scheduler.output import EngineCoreOutput
 from tokenbudget.scheduler.request import Request, RequestStatus

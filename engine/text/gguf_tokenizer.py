@@ -1,4 +1,4 @@
-"""Build a :class:`engine.tokenizer.Tokenizer` from GGUF ``tokenizer.*`` metadata.
+"""Build a :class:`engine.text.tokenizer.Tokenizer` from GGUF ``tokenizer.*`` metadata.
 
 Supported: ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE: ``tokens`` + ``merges``; the
 ``pre`` key picks the split regex the merges were learned with, as llama.cpp's

@@ -2,8 +2,8 @@
 
 Two constructors: :meth:`Tokenizer.from_pretrained_dir` (a Hugging Face directory with
 ``tokenizer.json`` and ``tokenizer_config.json``, the chat template taken from
-``chat_template.jinja`` or ``tokenizer_config.json``) and :meth:`Tokenizer.from_gguf_metadata`
-(a GGUF file's ``tokenizer.*`` metadata, built by ``engine.loader.gguf_tokenizer``).
+``chat_template.jinja`` or ``tokenizer_config.json``) and ``gguf_tokenizer.build_gguf_tokenizer``
+(a GGUF file's ``tokenizer.*`` metadata; a function of that module, which builds on this one).
 
 Decisions (as in Hugging Face transformers):
 - ``encode(text, add_special_tokens=False)`` never adds BOS unless asked; special tokens written
@@ -109,13 +109,6 @@ class Tokenizer:
                 template = f.read()
         return cls(backend, bos_token=_token_content(cfg.get("bos_token")),
                    eos_token=_token_content(cfg.get("eos_token")), chat_template=template)
-
-    @classmethod
-    def from_gguf_metadata(cls, metadata: dict[str, Any]) -> "Tokenizer":
-        """Build from a GGUF file's ``tokenizer.*`` metadata (decoded to Python values)."""
-        from tokenbudget.engine.text.gguf_tokenizer import build_gguf_tokenizer
-
-        return build_gguf_tokenizer(metadata)
 
     # ---- vocabulary ---------------------------------------------------------------------
 

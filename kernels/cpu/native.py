@@ -23,6 +23,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from tokenbudget.api.paths import cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("quant_gemm.c")
@@ -60,7 +62,6 @@ def _compiler() -> str | None:
 
 
 def _cache_dir() -> Path:
-    from tokenbudget.engine.loader.default_model import cache_dir  # the one cache root (light module)
     return Path(cache_dir()) / "native"
 
 
