@@ -4,7 +4,7 @@
 
 Exit status 0 when every invariant held, 1 after printing a shrunk failing program and the
 command that replays it, 2 on bad arguments (argparse) or an unreadable/invalid config file.
-``engine.cli`` calls ``add_parser`` and ``run``; ``python -m tokenbudget.cli.fuzz ...``
+``cli.main`` calls ``add_parser`` and ``run``; ``python -m tokenbudget.cli.fuzz ...``
 works alone. The engine's own fault warnings are silenced during the run: the state machine
 injects faults on purpose, thousands of them.
 """

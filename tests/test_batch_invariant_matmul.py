@@ -46,7 +46,7 @@ def test_batch_invariant_matmul_cuda():
 def _check_deterministic_model() -> None:
     """Deterministic mode switches every linear of the real model to the invariant matmul:
     same logits as the default path (to rounding), and a row's logits alone == inside 7 rows."""
-    from test_batch_invariance import random_state_dict
+    from batch_schedules import random_state_dict
 
     from tokenbudget.engine.model import build_model
     from tokenbudget.engine.model.config import ModelConfig

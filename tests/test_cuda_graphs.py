@@ -15,7 +15,8 @@ import flashinfer_standin as fis
 import msgspec
 import pytest
 import torch
-from test_batch_invariance import random_state_dict
+from batch_schedules import random_state_dict
+from replay_driver import ReplayDriver
 
 from tokenbudget.engine.model import build_model
 from tokenbudget.engine.model.config import ModelConfig
@@ -27,25 +28,6 @@ CFG = ModelConfig(vocab_size=97, hidden_size=128, intermediate_size=192, num_hid
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                   max_position_embeddings=512, tie_word_embeddings=True)
 BLOCK, NUM_BLOCKS, MAX_PAGES = 16, 64, 256 // 16
-
-
-class ReplayDriver:
-    """Graph driver stand-in: capture runs ``fn`` once; replay re-runs it into the same output."""
-
-    def __init__(self) -> None:
-        self.captures = 0
-
-    def capture(self, fn, num_warmup):
-        self.captures += 1
-        out = fn()
-
-        def replay():
-            with torch.inference_mode():
-                out.copy_(fn())
-        return replay, out
-
-    def synchronize(self) -> None:
-        pass
 
 
 def _spec():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 import flashinfer_standin as fis
-from test_cuda_graphs import ReplayDriver
+from replay_driver import ReplayDriver
 
 from tokenbudget.engine.worker.cuda_graphs import CUDAGraphRunner
 from tokenbudget.kernels.attention.flashinfer_backend import FlashInferBackend

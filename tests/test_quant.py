@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_batch_invariance import CFG, random_state_dict
+from batch_schedules import CFG, random_state_dict
 
 from tokenbudget.api.config import EngineConfig
 from tokenbudget.engine.entrypoints.llm import LLM

@@ -21,7 +21,7 @@ from tokenbudget.engine.entrypoints.async_llm import AsyncLLM
 from tokenbudget.testing.faults import FaultInjectingRunner, FaultPlan
 
 from engine_fixtures import assert_all_blocks_free  # noqa: E402
-from test_draft_model import make_tiny_llama  # noqa: E402
+from tiny_llama import make_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ from tokenbudget.engine.entrypoints.llm import LLM
 from tokenbudget.api.sampling_params import SamplingParams
 
 from engine_fixtures import default_target
-from test_draft_model import make_tiny_llama, make_truncated_copy
+from tiny_llama import make_tiny_llama, make_truncated_copy
 
 transformers = pytest.importorskip("transformers")
 
