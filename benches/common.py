@@ -181,7 +181,7 @@ class StepProfile:
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     steps: int = 0
     step_total_s: float = 0.0
-    # runner.execute seconds keyed by the step's scheduled token count (runner.last_step)
+    # runner.execute seconds keyed by the step's scheduled token count
     execute_by_tokens: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
 
     def execute_ms_by_tokens(self, max_tokens: int = 32) -> dict[int, float]:

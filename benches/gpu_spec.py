@@ -83,8 +83,9 @@ def _verify_batch(eng, batch: int, k: int, context: int, rng: random.Random) -> 
         prompt = [rng.randrange(vocab) for _ in range(context + 1)]
         drafts = [rng.randrange(vocab) for _ in range(k)]
         sched.scheduled.append(ScheduledRequest(
-            f"verify-{i}", context, [prompt[-1]] + drafts, drafts, list(range(i * nb, (i + 1) * nb)),
-            False, True, params))
+            request_id=f"verify-{i}", num_computed_tokens=context, token_ids=[prompt[-1]] + drafts,
+            spec_token_ids=drafts, block_ids=list(range(i * nb, (i + 1) * nb)), is_new=False, needs_sample=True,
+            params=params))
     sched.total_num_scheduled_tokens = batch * (1 + k)
     return sched
 

@@ -192,10 +192,10 @@ class EngineCore:
                 scheduler.rollback_step(dirty)
             raise
         with deferred_sigint():
-            return self._commit(sched, plan, step_outputs)
+            return self._commit(sched, plan, step_outputs, result.step_seconds)
 
     def _commit(self, sched: SchedulerOutput, plan: list[EngineCoreOutput],
-                step_outputs: list[RequestOutput]) -> list[RequestOutput]:
+                step_outputs: list[RequestOutput], step_seconds: float | None) -> list[RequestOutput]:
         """Commit the step; its outputs with children's gathered into their parents'."""
         try:
             finished = self.scheduler.apply_update(sched, plan)
@@ -204,9 +204,7 @@ class EngineCore:
             self.num_generated_tokens += generated
             self.throughput.add(generated)
             self.structured.commit(plan)
-            last = getattr(self.runner, "last_step", None)
-            self.speculator.commit(plan, sched.total_num_scheduled_tokens, last[1] if last else None,
-                                   len(sched.scheduled))
+            self.speculator.commit(plan, sched.total_num_scheduled_tokens, step_seconds, len(sched.scheduled))
             for request in finished:
                 self._release(request)
             return self.outputs.gather(step_outputs)

@@ -77,7 +77,8 @@ class DraftRunner:
               sample: bool) -> ScheduledRequest:
         """Positions ``[start, start + len(token_ids))`` of ``request``; logits of the last one
         are returned when ``sample``."""
-        return ScheduledRequest(request.request_id, start, list(token_ids), [], block_ids, False, sample)
+        return ScheduledRequest(request_id=request.request_id, num_computed_tokens=start, token_ids=list(token_ids),
+                                spec_token_ids=[], block_ids=block_ids, is_new=False, needs_sample=sample)
 
     def forward(self, chunks: list[ScheduledRequest]) -> torch.Tensor:
         """One flat forward; fp32 logits ``[S, V]`` for the chunks with ``needs_sample`` (in order)."""
