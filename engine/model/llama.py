@@ -117,13 +117,10 @@ class LlamaForCausalLM(torch.nn.Module):
         self.row_multiple = Linear.row_multiple
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.cpu_forward = None  # the one-call C forward, set by quantize_model where it runs
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        if self.cpu_forward is not None and self.cpu_forward.accepts(kv_caches):
-            return rms_norm(self.cpu_forward(input_ids, positions, attn_metadata, kv_caches), self.norm, self.eps)
         t = input_ids.shape[0]
         tp = pad_rows(t, self.row_multiple)
         if tp != t:  # batch invariance: every GEMM sees a multiple-of-4 row count

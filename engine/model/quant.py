@@ -16,9 +16,9 @@ Kernels, chosen per linear (``QuantLinear.kernel``):
   int8 inside the call (GGUF's Q8 activations, as llama.cpp does) and multiplied as integers
   (vpdpbusd); int4 weights are GGUF Q4_1's (codes, fp16 d and m per group of 32), laid out by
   blocks of 16 output columns (one register lane per column: no horizontal sums). When every
-  linear of the model runs natively, ``quantize_model`` also sets ``model.cpu_forward``: the
-  whole decoder in one C call (``engine/model/cpu_forward.py``). Measured, default model, batch-1
-  decode step: 16.5-28 ms -> 5.3-6.6 ms (benches/RESULTS.md, "C kernels on the CPU").
+  linear of the model runs natively, ``quantize_model`` also installs the whole decoder in one C
+  call around the model (``engine/model/cpu_forward.py``; figures: benches/RESULTS.md, "C kernels
+  on the CPU").
 * ``torch``: torch's CPU weight-only GEMMs. The activations enter the kernel in bf16 and its
   output is cast back to fp32: in torch 2.13 both kernels are vectorized (AVX-512) only for bf16
   inputs (with fp32 inputs they ran 20-40x slower than the fp32 oneDNN linear, ``benches/
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenbudget.engine.model.cpu_forward import CpuForward
+from tokenbudget.engine.model.cpu_forward import CpuForwardModel
 from tokenbudget.engine.model.layers import Linear
 from tokenbudget.kernels.cpu import quant_gemm as cpu_gemm
 
@@ -152,7 +152,8 @@ class QuantLinear:
 
 def quantize_model(model, mode: str):
     """Swap every ``Linear`` of ``model`` (a built ``LlamaForCausalLM`` on the CPU, fp32) for a
-    ``QuantLinear`` in place and return it; ``none`` returns it unchanged."""
+    ``QuantLinear`` in place and return it, wrapped in the C decoder forward where that runs
+    (``CpuForwardModel``: use the returned object); ``none`` returns it unchanged."""
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {'/'.join(QUANTIZATIONS)}, got {mode!r}")
     if mode == "none":
@@ -169,5 +170,4 @@ def quantize_model(model, mode: str):
     model.lm_head = q(model.lm_head, LM_HEAD_MODE)
     model.quantization = mode
     model.row_multiple = QuantLinear.row_multiple
-    model.cpu_forward = CpuForward.build(model)
-    return model
+    return CpuForwardModel.around(model)

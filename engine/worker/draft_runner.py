@@ -28,6 +28,7 @@ import msgspec
 import torch
 
 from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.engine.model.cpu_forward import CpuForwardModel
 from tokenbudget.engine.worker.input_batch import prepare_inputs
 from tokenbudget.engine.worker.kv_cache_alloc import allocate_kv_caches
 from tokenbudget.kernels.attention.base import AttentionSpec
@@ -41,9 +42,10 @@ def truncated_view(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
     layers = model.layers
     if not 1 <= num_layers <= len(layers):
         raise ValueError(f"num_layers must be in [1, {len(layers)}], got {num_layers}")
-    view = copy.copy(model)  # new __dict__, same tensors / Linear objects
+    wrapped = isinstance(model, CpuForwardModel)  # a C forward is built for the layers it runs
+    view = copy.copy(model.model if wrapped else model)  # new __dict__, same tensors / Linear objects
     view.layers = list(layers[:num_layers])
-    return view
+    return CpuForwardModel.around(view) if wrapped else view
 
 
 class DraftRunner:
