@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import msgspec
 
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str | None = None  # HF directory or .gguf file; None = SmolLM2-135M-Instruct
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on CUDA
@@ -93,7 +94,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         return SpeculativeConfig.from_dict(self.speculative_config)
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         fields = set(cls.__struct_fields__)
         unknown = sorted(set(kwargs) - fields)
         if unknown:

@@ -286,10 +286,6 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
                     or self.logits_processors)
 
     @property
-    def top_k_enabled(self) -> bool:
-        return self.top_k > 1
-
-    @property
     def uses_default_processing(self) -> bool:
         """True when p is plain softmax(logits): temperature 1, no top-k / top-p / min-p."""
         return (

@@ -26,9 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
-from tokenbudget.engine.entrypoints.stream import RequestStream  # noqa: E402
 from tokenbudget.engine.core.engine_core import EngineCore  # noqa: E402
 from tokenbudget.engine.core.output_processor import OutputProcessor  # noqa: E402
+from tokenbudget.engine.entrypoints.stream import RequestStream  # noqa: E402
 from tokenbudget.scheduler.config import SchedulerConfig  # noqa: E402
 from tokenbudget.scheduler.request import Request  # noqa: E402
 from tokenbudget.scheduler.scheduler import Scheduler  # noqa: E402

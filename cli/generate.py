@@ -72,7 +72,8 @@ def run(args) -> int:
     if (args.prompt is None) == (args.input is None):
         raise ValueError("give either a prompt or --input FILE")
     from tokenbudget.engine.entrypoints.llm import LLM
-    options = dict(dtype=args.dtype, quantization=args.quantization, device=args.device, max_model_len=args.max_model_len,
+    options = dict(dtype=args.dtype, quantization=args.quantization, device=args.device,
+                   max_model_len=args.max_model_len,
                    max_num_seqs=args.max_num_seqs, num_threads=args.threads,
                    speculative_config=speculative_config_from_args(args))
     llm = LLM(args.model, **options)

@@ -27,12 +27,12 @@ import functools
 
 import torch
 
-from tokenbudget.kernels.triton_utils import triton_runnable_on
 from tokenbudget.kernels.rejection_ref import (
     PLACEHOLDER_TOKEN_ID,
     rejection_sample_reference,
     request_offsets,
 )
+from tokenbudget.kernels.triton_utils import triton_runnable_on
 
 DEFAULT_BLOCK_V = 1024
 

@@ -19,11 +19,10 @@ from tokenbudget.kv_cache.journal import UndoLog
 class BlockPool:
     """Owns every block. Invariant: ``ref_cnt == 0`` <=> the block is in ``free_queue``."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks, KVBlock)
         self.cached: dict[int, KVBlock] = {}

@@ -12,7 +12,7 @@ Iterating yields block ids front to back; ``block_id in queue`` asks whether a b
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from tokenbudget.kv_cache.block import KVBlock
 

@@ -42,7 +42,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_block_ids: dict[str, list[int]] = {}
         self.req_hashes: dict[str, list[int]] = {}

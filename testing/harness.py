@@ -12,15 +12,15 @@ from __future__ import annotations
 import random
 
 from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
+from tokenbudget.api.spec_config import SpeculativeConfig
 from tokenbudget.engine.core.engine_core import EngineCore
 from tokenbudget.engine.core.output_processor import OutputProcessor
 from tokenbudget.scheduler.config import SchedulerConfig
 from tokenbudget.scheduler.output import SchedulerOutput
 from tokenbudget.scheduler.request import Request
 from tokenbudget.scheduler.scheduler import Scheduler
-from tokenbudget.testing.fake_model import FakeDrafter, FakeModelRunner, FakeModelSpec, reference_generate
-from tokenbudget.api.spec_config import SpeculativeConfig
 from tokenbudget.spec.speculator import Speculator
+from tokenbudget.testing.fake_model import FakeDrafter, FakeModelRunner, FakeModelSpec, reference_generate
 
 DELTA_PARAMS = SamplingParams(output_kind=RequestOutputKind.DELTA)
 MAX_DRAFTS = 16  # the speculator's cap; the fake drafter proposes its own k (<= this) per step

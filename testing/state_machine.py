@@ -23,8 +23,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from tokenbudget.api.errors import EngineDeadError
 from tokenbudget.scheduler.config import SchedulerConfig
-from tokenbudget.testing.faults import FaultInjectingProposer, FaultInjectingRunner, FaultPlan
 from tokenbudget.testing.fake_model import FakeModelSpec
+from tokenbudget.testing.faults import FaultInjectingProposer, FaultInjectingRunner, FaultPlan
 from tokenbudget.testing.fingerprint import TransactionChecker
 from tokenbudget.testing.harness import Harness
 from tokenbudget.testing.strategies import request_specs, scheduler_configs

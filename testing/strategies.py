@@ -12,7 +12,8 @@ def scheduler_configs(draw, max_blocks: int = 48) -> SchedulerConfig:
     """Small, tight configurations: tiny budgets and pools make chunking and preemption common."""
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
     max_model_len = draw(st.integers(8, 96))
-    num_blocks = draw(st.integers(-(-max_model_len // block_size) + 1, max(max_blocks, -(-max_model_len // block_size) + 2)))
+    min_blocks = -(-max_model_len // block_size) + 1
+    num_blocks = draw(st.integers(min_blocks, max(max_blocks, min_blocks + 1)))
     lookahead = draw(st.sampled_from([0, 0, 0, 1, 3]))
     return SchedulerConfig(
         max_num_batched_tokens=draw(st.integers(lookahead + 1, 128)),

@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from tokenbudget.engine.entrypoints.llm import LLM
 from tokenbudget.api.sampling_params import SamplingParams
+from tokenbudget.engine.entrypoints.llm import LLM
 
 from tiny_llama import VOCAB, make_tiny_llama, make_truncated_copy  # noqa: E402
 

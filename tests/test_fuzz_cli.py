@@ -112,7 +112,8 @@ def test_bad_config_exits_2(tmp_path, capsys):
 
 
 def test_python_dash_m_entry_point():
-    proc = subprocess.run([sys.executable, "-m", "tokenbudget.cli.fuzz", "--examples", "5", "--seed", "3", "--steps", "10"],
+    proc = subprocess.run([sys.executable, "-m", "tokenbudget.cli.fuzz",
+                           "--examples", "5", "--seed", "3", "--steps", "10"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK" in proc.stdout

@@ -17,8 +17,8 @@ import os
 
 import pytest
 
-from tokenbudget.engine.entrypoints.llm import LLM
 from tokenbudget.api.sampling_params import SamplingParams
+from tokenbudget.engine.entrypoints.llm import LLM
 
 from engine_fixtures import default_target
 from tiny_llama import make_tiny_llama, make_truncated_copy

@@ -15,8 +15,8 @@ from tokenbudget.api.config import EngineConfig
 from tokenbudget.api.errors import EngineDeadError, EngineOverloadedError, RequestError
 from tokenbudget.api.outputs import CompletionOutput, GenerateRequest, Logprob, RequestMetrics, RequestOutput
 from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
-from tokenbudget.engine.core.stats import EngineStats
 from tokenbudget.api.structured_params import StructuredOutputsParams
+from tokenbudget.engine.core.stats import EngineStats
 
 _LAZY = {  # heavy (torch, model code): imported on first use
     "LLM": "tokenbudget.engine.entrypoints.llm",

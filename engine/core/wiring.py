@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from tokenbudget.api.config import EngineConfig
+from tokenbudget.api.spec_config import SpeculativeConfig
 from tokenbudget.engine.core.engine_core import EngineCore
 from tokenbudget.engine.core.output_processor import OutputProcessor
 from tokenbudget.engine.loader.target import TargetModel, load_target_model
@@ -28,7 +29,6 @@ from tokenbudget.engine.worker.sampler import Sampler
 from tokenbudget.engine.worker.threads import set_torch_threads
 from tokenbudget.scheduler.config import SchedulerConfig
 from tokenbudget.scheduler.scheduler import Scheduler
-from tokenbudget.api.spec_config import SpeculativeConfig
 from tokenbudget.spec.speculator import Speculator
 
 logger = logging.getLogger("tokenbudget")

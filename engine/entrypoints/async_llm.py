@@ -32,17 +32,18 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 
 from tokenbudget.api.errors import EngineDeadError
-from tokenbudget.engine.entrypoints.llm_engine import LLMEngine
 from tokenbudget.api.outputs import RequestOutput
 from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
-from tokenbudget.engine.entrypoints.stream import RequestStream
 from tokenbudget.engine.core.prompts import PromptInput
 from tokenbudget.engine.core.stats import EngineStats, check_admission
+from tokenbudget.engine.entrypoints.llm_engine import LLMEngine
+from tokenbudget.engine.entrypoints.stream import RequestStream
 
 logger = logging.getLogger("tokenbudget")
 

@@ -13,14 +13,15 @@ dead engine stays dead).
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
-from tokenbudget.engine.entrypoints.llm_engine import LLMEngine
 from tokenbudget.api.outputs import RequestOutput
 from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
 from tokenbudget.engine.core.prompts import PromptInput
+from tokenbudget.engine.entrypoints.llm_engine import LLMEngine
 
 
 class LLM:

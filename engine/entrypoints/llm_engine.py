@@ -131,6 +131,3 @@ class LLMEngine:
     def get_spec_stats(self):
         """Engine-wide speculative-decoding figures (``SpecDecodingStats``), or None."""
         return self.speculator.stats if self.speculator.enabled else None
-
-    def get_kv_cache_usage(self):
-        return self.scheduler.kv.usage()

@@ -22,7 +22,7 @@ come with the first read (every read for CUMULATIVE).
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 from tokenbudget.api.errors import RequestError
 from tokenbudget.api.outputs import CompletionOutput, RequestOutput

@@ -6,9 +6,9 @@ its scales: the fp32 weight and its oneDNN-packed copy are dropped, so no second
 weights is kept. The token embedding stays a float table (it is a row lookup, not a GEMM).
 
 The lm_head is int8 in both modes (:data:`LM_HEAD_MODE`), as GGUF Q4 files keep it (the default
-model's tied embedding is Q8_0). Measured on the default model, 400 held tokens: perplexity fp32
-22.68, int4 blocks + int8 head 22.82, int4 blocks + int4 head 23.84; the int8 head costs ~12 %
-of int4 decode speed (31.4 vs 35.6 tok/s, 1 thread, shared machine).
+model's tied embedding is Q8_0): an int4 head costs far more perplexity than the int8 head costs
+decode speed (figures:
+benches/RESULTS.md, "Figures behind decisions in the source").
 
 Kernels, chosen per linear (``QuantLinear.kernel``):
 * ``native`` (where the CPU has AVX-512 VNNI, a C compiler is found and in_features is a multiple
@@ -33,8 +33,9 @@ Batch invariance: every kernel computes a row's outputs from that row alone for 
 1 included (torch's: measured for M in 1..19, 31, 33, 64, 70 on the default model's shapes, 1 and
 2 threads, ``benches/quant_kernels.py``; ours by construction; enforced by
 ``tests/test_batch_invariance.py`` and ``tests/test_cpu_kernels.py``). So a quantized model
-needs no row padding (``row_multiple = 1``): a batch-1 decode runs the kernels' M=1 path, which is
-1.5x faster than M=4 over the 30 layers of the default model (5.8 vs 8.5 ms, 2 threads).
+needs no row padding (``row_multiple = 1``): a batch-1 decode runs the kernels' M=1 path, faster
+than the M=4 one (figures:
+benches/RESULTS.md, "Figures behind decisions in the source").
 """
 
 from __future__ import annotations

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, Iterable
+from typing import Any
 
 import tokenizers
 from jinja2.exceptions import TemplateError
@@ -86,7 +87,7 @@ class Tokenizer:
     # ---- constructors -------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained_dir(cls, path: str | os.PathLike[str]) -> "Tokenizer":
+    def from_pretrained_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """Load ``tokenizer.json`` (+ ``tokenizer_config.json``, ``chat_template.jinja``)."""
         path = os.fspath(path)
         tok_file = os.path.join(path, "tokenizer.json")
@@ -142,9 +143,6 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; incomplete UTF-8 sequences decode to U+FFFD."""

@@ -60,17 +60,17 @@ drafter's KV bookkeeping is exact.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
+from tokenbudget.engine.worker.draft_runner import DraftRunner
 from tokenbudget.engine.worker.keyed_random import DRAFT, TARGET, keyed_exponential, race_argmax
 from tokenbudget.engine.worker.logits_processing import compute_target_probs, prepare_logits
 from tokenbudget.engine.worker.sampler import SamplingRow
 from tokenbudget.scheduler.drafts import draft_limit
 from tokenbudget.scheduler.request import Request
-from tokenbudget.engine.worker.draft_runner import DraftRunner
 from tokenbudget.spec.proposer import BaseProposer
 
 

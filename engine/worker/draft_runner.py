@@ -70,10 +70,6 @@ class DraftRunner:
         cfg = msgspec.structs.replace(target_config, num_hidden_layers=num_layers)
         return cls(view, cfg, num_blocks, block_size, dtype, device)
 
-    @property
-    def kv_cache_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv_caches)
-
     @staticmethod
     def chunk(request, start: int, token_ids: list[int], block_ids: list[int],
               sample: bool) -> ScheduledRequest:

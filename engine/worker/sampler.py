@@ -49,8 +49,8 @@ from tokenbudget.engine.worker.keyed_random import (
     race_argmax,
 )
 from tokenbudget.engine.worker.logits_processing import compute_target_probs, prepare_logits
-from tokenbudget.kernels.rejection_triton import rejection_sample  # Triton on CUDA, torch reference elsewhere
 from tokenbudget.kernels.rejection_ref import PLACEHOLDER_TOKEN_ID
+from tokenbudget.kernels.rejection_triton import rejection_sample  # Triton on CUDA, torch reference elsewhere
 
 __all__ = ["SamplingRow", "SamplerOutput", "TokenLogprob", "Sampler"]
 
@@ -116,9 +116,6 @@ class SamplerOutput:
 
     token_ids: list[list[int]]
     logprobs: list[list[TokenLogprob] | None] | None = None
-
-    def num_accepted(self, i: int) -> int:
-        return len(self.token_ids[i]) - 1
 
 
 class Sampler:

@@ -28,8 +28,8 @@ from tokenbudget.spec.cost_model import StepCostModel, default_grid, measure_ste
 def _dummy_step(num_tokens: int, block_size: int) -> SchedulerOutput:
     tokens = [0] * num_tokens
     blocks = list(range(-(-num_tokens // block_size)))
-    sr = ScheduledRequest(request_id="__cost_probe__", num_computed_tokens=0, token_ids=tokens, spec_token_ids=tokens[1:],
-                          block_ids=blocks, is_new=True, needs_sample=True)
+    sr = ScheduledRequest(request_id="__cost_probe__", num_computed_tokens=0, token_ids=tokens,
+                          spec_token_ids=tokens[1:], block_ids=blocks, is_new=True, needs_sample=True)
     return SchedulerOutput([sr], num_tokens)
 
 
