@@ -76,7 +76,7 @@ def run(n: int, prompts: list[str], args) -> dict:
         for _ in range(n):
             port = _port()
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tokenbudget.engine.cli.main", "serve", "--port", str(port), "--no-spec",
+                [sys.executable, "-m", "tokenbudget.cli.main", "serve", "--port", str(port), "--no-spec",
                  "--num-threads", "1", "--max-model-len", "512"],
                 env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             urls.append(f"http://127.0.0.1:{port}")

@@ -17,7 +17,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from tokenbudget.engine.api.async_llm import AsyncLLM  # noqa: E402
+from tokenbudget.engine.entrypoints.async_llm import AsyncLLM  # noqa: E402
 
 from engine_fixtures import ENGINE_OPTS, default_target  # noqa: E402
 from serve_fixtures import MODEL, free_port, wait_idle  # noqa: E402

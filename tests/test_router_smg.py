@@ -68,7 +68,7 @@ def _stop(proc: subprocess.Popen) -> None:
 def _start_replica() -> tuple[str, subprocess.Popen]:
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "tokenbudget.engine.cli.main", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "tokenbudget.cli.main", "serve", "--port", str(port),
                              "--no-spec", "--num-threads", "1", "--max-model-len", "512", "--grace-period", "5",
                              "--kv-cache-memory-bytes", str(32 << 20)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

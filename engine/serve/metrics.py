@@ -15,7 +15,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from tokenbudget.engine.api.outputs import RequestOutput
+from tokenbudget.api.outputs import RequestOutput
 from tokenbudget.engine.serve.router_metrics import VllmNamesCollector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -35,7 +35,7 @@ from typing import Any
 
 import msgspec
 
-from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
+from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
 
 # What every output row has, next to the input columns.
 OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "num_input_tokens", "num_generated_tokens",
@@ -83,7 +83,7 @@ class TokenbudgetStage:
     """A Ray Data stage (``map_batches`` callable class): one ``AsyncLLM`` per actor."""
 
     def __init__(self, config: ProcessorConfig) -> None:
-        from tokenbudget.engine.api.async_llm import AsyncLLM
+        from tokenbudget.engine.entrypoints.async_llm import AsyncLLM
         options = dict(config.engine_options)
         options.setdefault("num_threads", max(1, int(config.num_cpus)))
         self.config = config

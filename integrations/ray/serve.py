@@ -29,7 +29,7 @@ from typing import Any
 
 from ray import serve
 
-from tokenbudget.engine.api.async_llm import AsyncLLM
+from tokenbudget.engine.entrypoints.async_llm import AsyncLLM
 from tokenbudget.engine.serve.app import build_app
 
 MAX_ONGOING_REQUESTS = 256
