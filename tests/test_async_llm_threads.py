@@ -119,3 +119,17 @@ def test_a_new_loop_after_one_closed_mid_request(async_llm, reference) -> None:
     assert texts == reference[:3]
     _wait_idle(async_llm)
     assert "orphan" not in async_llm._streams
+
+
+def test_requests_added_in_one_turn_of_the_loop_share_their_first_step(async_llm, reference) -> None:
+    """The step thread waits for the turn that started it to end, so a burst of ``add_request``
+    calls is one batch (an engine-wide fault then hits them together, as the engine's fault
+    isolation expects), not a first step with the first request alone."""
+    async def main():
+        streams = [async_llm.add_request(f"burst-{i}", p, PARAMS) for i, p in enumerate(PROMPTS[:3])]
+        return [[out async for out in s][-1] for s in streams]
+
+    finals = asyncio.run(main())
+    assert [o.outputs[0].text for o in finals] == reference[:3]
+    assert len({o.metrics.first_scheduled_time for o in finals}) == 1
+    _wait_idle(async_llm)

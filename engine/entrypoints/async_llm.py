@@ -160,7 +160,24 @@ class AsyncLLM:
             if self._stepping:
                 return
             self._stepping = True
-        threading.Thread(target=self._run, name="tokenbudget-step", daemon=True).start()
+        try:
+            origin = asyncio.get_running_loop()
+        except RuntimeError:  # not on a loop (an abort from another thread): nothing to wait for
+            origin = None
+        threading.Thread(target=self._run, args=(origin,), name="tokenbudget-step", daemon=True).start()
+
+    @staticmethod
+    def _after_this_turn(loop, timeout: float = 0.5) -> None:
+        """Wait (at most ``timeout``) until ``loop`` has finished the callback that started the
+        step thread, so the requests a caller adds in one turn of its loop (a list comprehension
+        of ``add_request``) reach the engine together, in one step, as they did when the loop
+        stepped the engine itself."""
+        turned = threading.Event()
+        try:
+            loop.call_soon_threadsafe(turned.set)
+        except RuntimeError:  # the loop is closed
+            return
+        turned.wait(timeout)
 
     def _take_inbox(self) -> tuple[list, list[str]]:
         with self._inbox_lock:
@@ -185,8 +202,10 @@ class AsyncLLM:
         self._stats = engine.get_stats()
         return outputs, rejected
 
-    def _run(self) -> None:
+    def _run(self, origin=None) -> None:
         """The step thread: step until no request is left and the inbox is empty."""
+        if origin is not None:
+            self._after_this_turn(origin)
         try:
             while True:
                 adds, aborts = self._take_inbox()
