@@ -5,18 +5,26 @@ matcher into an error state it never leaves. So tokens are checked with ``valida
 (which changes nothing) before they are consumed, and a grammar is checked when its source is
 built (``LLMatcher.validate_grammar``, tokenizer-free) and again when a matcher is built on the
 vocabulary.
+
+Compiled grammar sources are cached by the bytes they hold (``byte_cache``), never by count.
+Errors are built without llguidance's verbose state dumps (``verbose_errors=False``): they are
+returned to clients and logged, and must not quote a grammar back.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from functools import lru_cache
 
 import llguidance
 import numpy as np
 
 from tokenbudget.engine.structured.backend import GrammarBackend, GrammarMatcher
+from tokenbudget.engine.structured.byte_cache import ByteBoundedCache
+
+SOURCE_CACHE_BYTES = 32 << 20  # compiled grammar sources kept (keys + values)
+_SOURCES = ByteBoundedCache(SOURCE_CACHE_BYTES)
+_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 
 # json.dumps' default layout (see ``params``).
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -29,10 +37,9 @@ def grammar_source(params) -> str:
         value = value if isinstance(value, str) else json.dumps(value)
     elif kind == "choice":
         value = json.dumps(value)
-    return _source(kind, value)
+    return _SOURCES.get_or_build((kind, value), len(str(value)), lambda: _source(kind, value))
 
 
-@lru_cache(maxsize=256)
 def _source(kind: str, text: str) -> str:
     M = llguidance.LLMatcher
     try:
@@ -48,7 +55,7 @@ def _source(kind: str, text: str) -> str:
             source = llguidance.grammar_from("grammar", text)  # Lark, or GBNF converted to Lark
     except ValueError as exc:
         raise ValueError(f"structured_outputs.{kind}: {exc}") from None
-    error = M.validate_grammar(source)
+    error = M.validate_grammar(source, limits=_LIMITS)
     if error:
         raise ValueError(f"structured_outputs.{kind}: invalid {_WHAT[kind]}: {error.strip()}")
     return source
@@ -81,6 +88,12 @@ class LLGuidanceMatcher(GrammarMatcher):
     def is_complete(self) -> bool:
         return self._m.is_stopped()
 
+    def error(self) -> str | None:
+        return self._m.get_error() if self._m.is_error() else None
+
+    def copy(self) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self._m.deep_copy())
+
 
 class LLGuidanceBackend(GrammarBackend):
     name = "llguidance"
@@ -96,7 +109,7 @@ class LLGuidanceBackend(GrammarBackend):
         return self._width
 
     def matcher(self, source: str) -> LLGuidanceMatcher:
-        m = llguidance.LLMatcher(self._tokenizer, source, log_level=0)
+        m = llguidance.LLMatcher(self._tokenizer, source, log_level=0, limits=_LIMITS)
         if m.is_error():
             raise ValueError(f"structured_outputs: the grammar cannot be used with this model: {m.get_error()}")
         return LLGuidanceMatcher(m)
