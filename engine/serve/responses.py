@@ -12,9 +12,19 @@ from __future__ import annotations
 from tokenbudget.engine.api.outputs import Logprob, RequestMetrics, RequestOutput
 
 
+MAX_ERROR_CHARS = 400  # an error quotes at most this much of anything (input included)
+
+
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
                code: int | str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    """OpenAI's error object; message and param cut short, so no error body is ever large (a
+    10 MB ``model`` name is not sent back)."""
+    return {"error": {"message": _clip(str(message), MAX_ERROR_CHARS), "type": kind,
+                      "param": None if param is None else _clip(str(param), 64), "code": code}}
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, metrics: RequestMetrics | None) -> dict:

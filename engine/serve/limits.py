@@ -1,0 +1,143 @@
+"""What one request may ask of the server: the limits, their defaults, and the checks.
+
+Threat model: anyone who can reach the port (docs/serving.md, "Security and limits"). Every
+limit here is a ``tokenbudget serve`` flag; a request past one is answered before it costs
+anything more than reading its body: 413 for the body, 400 naming the field and the flag for the
+rest. Each check is linear in the bytes received and needs no recursion, so no input can make a
+check itself the problem (a JSON value nested 100k deep is measured, not decoded).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import msgspec
+import numpy as np
+
+
+class ServerLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """The server's limits (defaults in the field list; the flag is ``--`` + the name, dashed)."""
+
+    max_request_bytes: int = 4 << 20  # request body; past it: 413
+    max_prompt_tokens: int | None = None  # None: the engine's max_model_len
+    max_json_depth: int = 64  # nesting of any value in a body (message content parts, ...)
+    max_schema_bytes: int = 64 << 10  # response_format, as sent
+    max_schema_depth: int = 32  # nesting inside response_format (its JSON schema included)
+    max_n: int = 16
+    max_stop_strings: int = 16  # entries of stop
+    max_stop_string_chars: int = 256  # length of one stop string
+    max_logit_bias: int = 300  # entries of logit_bias (OpenAI's bound)
+
+    def __post_init__(self) -> None:
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            if value is None and name == "max_prompt_tokens":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a limit (``max_n`` -> ``--max-n``)."""
+    return "--" + name.replace("_", "-")
+
+
+class LimitError(ValueError):
+    """A request past a limit; ``param`` is the field (OpenAI's ``error.param``), ``status`` the
+    HTTP status (400, or 413 for the body)."""
+
+    def __init__(self, message: str, param: str | None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+# A JSON string (escapes included): its brackets are not structure.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_OPEN = np.zeros(256, dtype=np.int8)
+_OPEN[[ord("["), ord("{")]] = 1
+_OPEN[[ord("]"), ord("}")]] = -1
+
+
+def json_depth(raw: bytes) -> int:
+    """The nesting depth of one JSON text (``1`` for ``[]``, ``0`` for a number), without
+    decoding it: strings removed, then a running sum over the brackets."""
+    if b"[" not in raw and b"{" not in raw:
+        return 0
+    structure = _STRING.sub(b"", raw)
+    steps = _OPEN[np.frombuffer(structure, dtype=np.uint8)]
+    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
+
+
+def check_fields(fields: dict[str, msgspec.Raw], limits: ServerLimits) -> None:
+    """Depth and size of each top-level field of a body, from its raw JSON (before decoding)."""
+    for name, raw in fields.items():
+        raw = bytes(raw)
+        if name == "response_format":
+            if len(raw) > limits.max_schema_bytes:
+                raise LimitError(f"response_format is {len(raw)} bytes, more than "
+                                 f"{flag('max_schema_bytes')}={limits.max_schema_bytes}", name)
+            limit, which = limits.max_schema_depth, "max_schema_depth"
+        else:
+            limit, which = limits.max_json_depth, "max_json_depth"
+        if json_depth(raw) > limit:
+            raise LimitError(f"{name} is nested more than {flag(which)}={limit} levels deep", name)
+
+
+def check_counts(req, limits: ServerLimits) -> None:
+    """``n``, ``stop`` and ``logit_bias`` of a decoded body."""
+    if req.n is not None and req.n > limits.max_n:
+        raise LimitError(f"n={req.n} is more than {flag('max_n')}={limits.max_n}", "n")
+    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stop) > limits.max_stop_strings:
+        raise LimitError(f"stop has {len(stop)} strings, more than {flag('max_stop_strings')}="
+                         f"{limits.max_stop_strings}", "stop")
+    if any(len(s) > limits.max_stop_string_chars for s in stop):
+        raise LimitError(f"a stop string is longer than {flag('max_stop_string_chars')}="
+                         f"{limits.max_stop_string_chars} characters", "stop")
+    if req.logit_bias and len(req.logit_bias) > limits.max_logit_bias:
+        raise LimitError(f"logit_bias has {len(req.logit_bias)} entries, more than {flag('max_logit_bias')}="
+                         f"{limits.max_logit_bias}", "logit_bias")
+
+
+def max_bytes_per_token(tokenizer) -> int | None:
+    """The most UTF-8 bytes of text one token can stand for, when that bound is certain; None
+    otherwise.
+
+    The rule behind the check before tokenizing: if every token of a tokenization decodes to at
+    most L bytes and the tokenization loses no text, a text of B bytes needs at least B / L
+    tokens, so a text longer than ``max_prompt_tokens * L`` bytes can be refused unread. "Loses
+    no text" holds for byte-level BPE (every byte has a token) and for byte-fallback models
+    without a normalizer that can delete characters; for any other tokenizer (an ``<unk>`` can
+    stand for a whole run of characters) there is no such bound and the prompt is tokenized (off
+    the event loop) and counted.
+    """
+    backend = tokenizer.backend
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    lossless = _has(spec.get("pre_tokenizer"), "ByteLevel") or bool(model.get("byte_fallback"))
+    if not lossless or not _only_adds(spec.get("normalizer")):
+        return None
+    texts = backend.decode_batch([[i] for i in range(backend.get_vocab_size(with_added_tokens=True))],
+                                 skip_special_tokens=False)
+    return max(4, max(len(t.encode("utf-8")) for t in texts))
+
+
+def _has(component, kind: str) -> bool:
+    if not component:
+        return False
+    if component.get("type") == kind:
+        return True
+    return any(_has(c, kind) for c in component.get("pretokenizers") or component.get("normalizers") or [])
+
+
+def _only_adds(normalizer) -> bool:
+    """A normalizer that never deletes text: none, Prepend, or Replace with a non-empty content."""
+    if not normalizer:
+        return True
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        return all(_only_adds(n) for n in normalizer.get("normalizers") or [])
+    if kind == "Prepend":
+        return True
+    return kind == "Replace" and bool(normalizer.get("content"))
