@@ -271,7 +271,8 @@ def build_app(llm, model_name: str, api_key: str | None = None, limits: ServerLi
 
     @app.exception_handler(ValueError)
     async def bad_value(request, exc: ValueError):  # from AsyncLLM.add_request: the prompt, mostly
-        word = str(exc).split(" ", 1)[0]
+        word = str(exc).split(" ", 1)[0].rstrip(":").split(".", 1)[0]
+        word = "response_format" if word == "structured_outputs" else word  # the one field that maps to it
         return _error(400, str(exc), "invalid_request_error", word if word in proto.FIELDS else "prompt")
 
     @app.exception_handler(EngineOverloadedError)

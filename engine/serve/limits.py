@@ -69,23 +69,46 @@ def json_depth(raw: bytes) -> int:
     return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
 
 
-def check_fields(fields: dict[str, msgspec.Raw], limits: ServerLimits) -> None:
-    """Depth and size of each top-level field of a body, from its raw JSON (before decoding)."""
-    for name, raw in fields.items():
-        raw = bytes(raw)
-        if name == "response_format":
-            if len(raw) > limits.max_schema_bytes:
-                raise LimitError(f"response_format is {len(raw)} bytes, more than "
-                                 f"{flag('max_schema_bytes')}={limits.max_schema_bytes}", name)
-            limit, which = limits.max_schema_depth, "max_schema_depth"
-        else:
-            limit, which = limits.max_json_depth, "max_json_depth"
-        if json_depth(raw) > limit:
+def check_depth(body: bytes, limits: ServerLimits) -> None:
+    """The nesting depth of each top-level field of a body, measured on the raw JSON before
+    anything decodes it (decoders recurse: a value nested 100k deep must never reach one)."""
+    deepest = max(limits.max_json_depth, limits.max_schema_depth)
+    if json_depth(body) - 1 <= min(limits.max_json_depth, limits.max_schema_depth):
+        return
+    for name, depth in _field_depths(body, deepest + 1).items():
+        limit, which = ((limits.max_schema_depth, "max_schema_depth") if name == "response_format"
+                        else (limits.max_json_depth, "max_json_depth"))
+        if depth > limit:
             raise LimitError(f"{name} is nested more than {flag(which)}={limit} levels deep", name)
+    raise LimitError(f"the request body is nested more than {flag('max_json_depth')}={limits.max_json_depth} "
+                     f"levels deep", None)
+
+
+def _field_depths(body: bytes, cap: int) -> dict[str, int]:
+    """Top-level field name -> nesting depth of its value (counted up to ``cap``), for a body that
+    is a JSON object; strings are kept short and bracket-free so only structure is counted."""
+    text = _STRING.sub(lambda m: b'"' + m.group(0)[1:-1][:64].translate(None, b'[]{}"\\') + b'"', body)
+    depth = np.cumsum(_OPEN[np.frombuffer(text, dtype=np.uint8)], dtype=np.int64)
+    keys = [m for m in _KEY.finditer(text) if m.start() > 0 and depth[m.start() - 1] == 1]  # the top level's
+    result: dict[str, int] = {}
+    for m, after in zip(keys, keys[1:] + [None]):
+        span = depth[m.end():after.start() if after is not None else len(depth)]
+        name = m.group(1).decode("utf-8", "replace")
+        result[name] = min(max(int(span.max(initial=1)) - 1, 0), cap)
+    return result
+
+
+_KEY = re.compile(rb'"([^"]*)"\s*:')
 
 
 def check_counts(req, limits: ServerLimits) -> None:
-    """``n``, ``stop`` and ``logit_bias`` of a decoded body."""
+    """``n``, ``stop``, ``logit_bias`` and the schema's size, of a decoded body."""
+    response_format = getattr(req, "response_format", None)
+    if response_format is not None:
+        size = len(msgspec.json.encode(response_format))
+        if size > limits.max_schema_bytes:
+            raise LimitError(f"response_format is {size} bytes, more than {flag('max_schema_bytes')}="
+                             f"{limits.max_schema_bytes}", "response_format")
     if req.n is not None and req.n > limits.max_n:
         raise LimitError(f"n={req.n} is more than {flag('max_n')}={limits.max_n}", "n")
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import msgspec
 
 from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
-from tokenbudget.engine.serve.limits import ServerLimits, check_counts, check_fields
+from tokenbudget.engine.serve.limits import ServerLimits, check_counts, check_depth
 
 # OpenAI fields not mapped yet (the sampling-parity work adds them to SamplingParams), with the
 # value that means "not used".
@@ -126,15 +126,10 @@ _REQUIRED = re.compile(r"missing required field `([^`]+)`")
 
 def decode(body: bytes, kind: type[_Common], limits: ServerLimits | None = None) -> _Common:
     """The request body as ``kind``; ``ProtocolError`` naming the field otherwise, ``LimitError``
-    naming the field and the limit past ``limits`` (each field's nesting depth and the schema's
-    size are measured on the raw JSON before anything is decoded)."""
+    naming the field and the limit past ``limits`` (each field's nesting depth is measured on the
+    raw JSON before anything decodes it)."""
     limits = limits if limits is not None else ServerLimits()
-    try:
-        fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        fields = None  # not a JSON object: the typed decode below says what is wrong
-    if fields is not None:
-        check_fields(fields, limits)
+    check_depth(body, limits)
     try:
         req = msgspec.json.decode(body, type=kind)
     except RecursionError:  # unreachable under the depth limits; never a bare 500

@@ -17,10 +17,10 @@ MAX_ERROR_CHARS = 400  # an error quotes at most this much of anything (input in
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
                code: int | str | None = None) -> dict:
-    """OpenAI's error object; message and param cut short, so no error body is ever large (a
-    10 MB ``model`` name is not sent back)."""
+    """OpenAI's error object; the message cut short and no ``param`` longer than a field name,
+    so no error body is ever large (a 10 MB ``model`` name is not sent back)."""
     return {"error": {"message": _clip(str(message), MAX_ERROR_CHARS), "type": kind,
-                      "param": None if param is None else _clip(str(param), 64), "code": code}}
+                      "param": param if param is None or len(str(param)) <= 64 else None, "code": code}}
 
 
 def _clip(text: str, limit: int) -> str:

@@ -79,7 +79,7 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     def consume(self, tokens: Sequence[int]) -> None:
         if tokens and not self._m.consume_tokens(list(tokens)):
-            raise RuntimeError(f"grammar refused tokens it had validated: {self._m.get_error()}")
+            raise RuntimeError(f"grammar refused tokens it had validated: {self.error()}")
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
@@ -89,7 +89,7 @@ class LLGuidanceMatcher(GrammarMatcher):
         return self._m.is_stopped()
 
     def error(self) -> str | None:
-        return self._m.get_error() if self._m.is_error() else None
+        return self._m.get_error().replace("<non-verbose/>", "").strip() if self._m.is_error() else None
 
     def copy(self) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self._m.deep_copy())

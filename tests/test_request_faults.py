@@ -1,0 +1,139 @@
+"""A fault that belongs to one request ends that request and never the engine (issue 22).
+
+Through the real server (uvicorn + httpx) on a tiny random Llama, and offline for a logits
+processor (which no HTTP body can carry): grammars that fail mid-generation, grammars whose masks
+cost more than the per-step budget, ``n`` children that all fail, one after another or together;
+each time ``/health`` stays 200 and a neighbour's greedy text is unchanged. Also the two
+correctness fixes found by tests ported from vLLM: stop strings wait for ``min_tokens``; the
+prefix cache counts no query when caching is off.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from tokenbudget import LLM, AsyncLLM, SamplingParams
+from tokenbudget.engine.serve.limits import ServerLimits
+
+from serve_fixtures import KEY, MODEL, server_in_thread, server_url, wait_idle  # noqa: E402
+from tiny_model import make_tiny_llama_dir  # noqa: E402
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+OPTS = dict(num_threads=1, kv_cache_memory_bytes=4 << 20, max_model_len=256)
+GREEDY = {"prompt": "The quick brown fox", "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+
+
+def wide_schema(num_properties: int) -> dict:
+    """Optional integer properties: llguidance refuses the second token (a row of ~4 items per
+    property, past its 2000), so the request fails after generation started."""
+    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(num_properties)}}
+
+
+def chat_with_schema(schema: dict, **fields) -> dict:
+    return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, **fields,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir) -> AsyncLLM:
+    # Prefix caching off (its query counter must stay 0); a 1 ms per-step mask budget.
+    return AsyncLLM(tiny_dir, **OPTS, enable_prefix_caching=False, max_grammar_mask_ms=1.0)
+
+
+@pytest.fixture(scope="module")
+def url(llm):
+    with server_in_thread(llm, MODEL, api_key=KEY, log_level="warning",
+                          limits=ServerLimits(max_schema_bytes=1 << 20)) as server:
+        yield server_url(server)
+
+
+def post(url: str, route: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}{route}", json=body, headers=AUTH, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference(url) -> str:
+    r = post(url, "/v1/completions", GREEDY)
+    assert r.status_code == 200
+    return r.json()["choices"][0]["text"]
+
+
+def assert_healthy(url: str, reference: str) -> None:
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    assert post(url, "/v1/completions", GREEDY).json()["choices"][0]["text"] == reference
+
+
+def test_grammar_failing_mid_generation_ends_its_request_not_the_engine(url, llm, reference):
+    """Four in a row (it took four to kill the engine), then n=4 children together."""
+    for body in [chat_with_schema(wide_schema(600))] * 4 + [chat_with_schema(wide_schema(600), n=4)]:
+        r = post(url, "/v1/chat/completions", body)
+        assert r.status_code == 500 and len(r.content) <= 4096
+        assert "structured_outputs" in r.json()["error"]["message"]
+        assert_healthy(url, reference)
+    wait_idle(llm)
+
+
+def test_n_children_whose_grammar_has_no_first_token_are_a_400(url, llm, reference):
+    r = post(url, "/v1/chat/completions", chat_with_schema({"$ref": "#"}, n=4))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    assert "first token" in r.json()["error"]["message"]
+    assert_healthy(url, reference)
+
+
+def test_costly_masks_end_their_request_and_a_neighbour_is_unchanged(url, llm, reference):
+    """Three requests whose masks cost far more than the budget (a 100000-character pattern)
+    beside a greedy stream: they are refused (400) or end in error; the stream is as alone."""
+    neighbour: list[str] = []
+    thread = threading.Thread(target=lambda: neighbour.append(
+        post(url, "/v1/completions", GREEDY).json()["choices"][0]["text"]))
+    thread.start()
+    costly = chat_with_schema({"type": "string", "pattern": "^a{100000}$"})
+    for _ in range(3):
+        r = post(url, "/v1/chat/completions", costly)
+        assert r.status_code in (400, 500) and "structured_outputs" in r.json()["error"]["message"]
+    thread.join(120)
+    assert neighbour == [reference]
+    cheap = post(url, "/v1/chat/completions", chat_with_schema({"type": "string", "pattern": "^ab+$"}))
+    assert cheap.status_code == 200  # an ordinary grammar stays far under the same budget
+    assert_healthy(url, reference)
+
+
+def test_stop_string_is_not_checked_before_min_tokens(url, reference):
+    """vLLM #21987: a stop string the model writes within its first min_tokens tokens does not
+    end the request."""
+    stop = next(ch for ch in reference[1:] if ch.isascii() and ch.isalnum())
+    early = post(url, "/v1/completions", {**GREEDY, "stop": [stop]}).json()
+    assert early["usage"]["completion_tokens"] < 15  # the model writes it early
+    late = post(url, "/v1/completions", {**GREEDY, "stop": [stop], "min_tokens": 15}).json()
+    assert late["usage"]["completion_tokens"] >= 15
+
+
+def test_no_prefix_cache_query_is_counted_with_caching_off(url, llm):
+    assert post(url, "/v1/completions", {**GREEDY, "max_tokens": 2}).status_code == 200
+    wait_idle(llm)
+    assert llm.get_stats().prefix_cache_queries == 0
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    assert "tokenbudget_prefix_cache_queries_total 0.0" in metrics
+
+
+def test_logits_processor_fault_in_every_child_ends_them_not_the_engine(tiny_dir):
+    """n=4 children whose processor raises: on their own in the step, they once looked like an
+    engine-wide fault (every request of the step failing alone) and killed the engine."""
+    offline = LLM(tiny_dir, **OPTS)
+
+    def broken(output_ids, row):
+        raise RuntimeError("processor bug")
+
+    out = offline.generate(["hi"], SamplingParams(n=4, max_tokens=5, logits_processors=[broken]), use_tqdm=False)[0]
+    assert [c.finish_reason for c in out.outputs] == ["error"] * 4
+    assert "processor bug" in out.error
+    again = offline.generate(["hi"], SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)[0]
+    assert again.outputs[0].finish_reason == "length"
