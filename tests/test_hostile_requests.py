@@ -72,6 +72,8 @@ CASES = [
      400, "response_format"),
     ("schema-5000-optional-properties", CHAT, chat(response_format=json_schema(
         {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(5000)}})), 400, "response_format"),
+    ("schema-600-optional-properties-too-complex", CHAT, chat(response_format=json_schema(
+        {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}})), 400, "response_format"),
     ("model-name-10MB", COMPLETIONS, {"model": "m" * (10 << 20), "prompt": "hi"}, 413, None),
     ("model-name-1MB", COMPLETIONS, {"model": "m" * (1 << 20), "prompt": "hi"}, 400, "model"),
     ("prompt-30MB", COMPLETIONS, {"prompt": "a" * (30 << 20), "max_tokens": 1}, 413, None),

@@ -27,13 +27,17 @@ GREEDY = {"prompt": "The quick brown fox", "max_tokens": 30, "temperature": 0, "
 
 
 def wide_schema(num_properties: int) -> dict:
-    """Optional integer properties: llguidance refuses the second token (a row of ~4 items per
-    property, past its 2000), so the request fails after generation started."""
-    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(num_properties)}}
+    """A short string ``k``, then an object ``a`` with that many optional integer properties:
+    llguidance refuses the token that closes ``k`` (the next row holds ~4 items per property, past
+    its 2000), a few tokens into the output, so the request fails after generation started. (A
+    bare such object is refused at admission: its first token already fails.)"""
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(num_properties)}}
+    return {"type": "object", "properties": {"k": {"type": "string", "maxLength": 3}, "a": wide},
+            "required": ["k", "a"]}
 
 
 def chat_with_schema(schema: dict, **fields) -> dict:
-    return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, **fields,
+    return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, **fields,
             "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
 
 

@@ -128,7 +128,10 @@ class OpenAIServer:
         if chat:
             messages = proto.chat_messages(req)
             self._check_prompt_bytes(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages), field)
-            prompt = self.llm.tokenizer.apply_chat_template(messages)
+            try:
+                prompt = self.llm.tokenizer.apply_chat_template(messages)
+            except ValueError as exc:
+                raise proto.ProtocolError(str(exc), "messages") from None
         else:
             prompt = proto.completion_prompt(req)
             if isinstance(prompt, str):

@@ -5,8 +5,10 @@ tokens. Everything else follows from it.
 
 * ``compile`` (admission, in the caller's thread, off the step loop): the matcher, refused with a
   ``ValueError`` naming ``structured_outputs`` when it cannot be built on this vocabulary, cannot
-  produce a first token (the JSON schema ``{"$ref": "#"}``), or its first mask alone costs more
-  than ``FIRST_MASK_ALLOWANCE`` per-step mask budgets.
+  produce a first token (the JSON schema ``{"$ref": "#"}``), is too complex for llguidance's
+  limits one token in (a schema of 5000 optional properties: the probe consumes the first legal
+  token and rolls it back), or its first mask alone costs more than ``FIRST_MASK_ALLOWANCE``
+  per-step mask budgets.
 * ``trim_drafts`` (after ``propose``): a request's drafts are cut at the first token its grammar
   forbids, since verification would reject it anyway. Only fewer drafts: no effect on the output.
 * ``grammar_bitmask(sched)`` (the core, after ``schedule()``, before the forward): the masks of
@@ -90,6 +92,9 @@ class StructuredOutputs:
         if error is not None or not first.any():
             raise ValueError(f"structured_outputs: the grammar cannot produce a first token"
                              f"{': ' + short(error, 200) if error else ''}")
+        error = _probe_first_token(matcher, first)
+        if error is not None:
+            raise ValueError(f"structured_outputs: the grammar is too complex: {short(error, 200)}")
         if spent > FIRST_MASK_ALLOWANCE * self.max_mask_seconds:
             raise ValueError(f"structured_outputs: the grammar is too costly: its first mask took "
                              f"{spent * 1e3:.0f} ms of CPU, more than the "
@@ -217,6 +222,21 @@ class StructuredOutputs:
 
 class _GrammarStuck(Exception):
     """A matcher cannot give a mask: its request's fault."""
+
+
+def _probe_first_token(matcher: GrammarMatcher, first: np.ndarray) -> str | None:
+    """Consume the first legal token and roll it back; the matcher's error if it fails there."""
+    word = int(np.flatnonzero(first)[0])
+    bits = int(first[word]) & 0xFFFFFFFF
+    token = word * 32 + (bits & -bits).bit_length() - 1
+    try:
+        matcher.consume((token,))
+    except RuntimeError as exc:
+        return matcher.error() or str(exc)
+    error = matcher.error()
+    if error is None:
+        matcher.rollback(1)
+    return error
 
 
 def _verify_rows(matcher: GrammarMatcher, drafts: list[int], width: int) -> np.ndarray:
