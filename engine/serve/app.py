@@ -33,7 +33,7 @@ from tokenbudget.engine.api.errors import EngineDeadError, EngineOverloadedError
 from tokenbudget.engine.serve import protocol as proto
 from tokenbudget.engine.serve import responses as resp
 from tokenbudget.engine.serve.body_limit import LimitBody
-from tokenbudget.engine.serve.limits import LimitError, ServerLimits, flag, max_bytes_per_token
+from tokenbudget.engine.serve.limits import LimitError, ServerLimits, flag, prompt_byte_bound
 from tokenbudget.engine.serve.metrics import CONTENT_TYPE, ServerMetrics
 
 _OPEN_PATHS = ("/health", "/metrics")
@@ -110,8 +110,7 @@ class OpenAIServer:
         self.token_text = resp.TokenText(llm.tokenizer)
         self.max_model_len = llm.engine.max_model_len
         self.max_prompt_tokens = min(self.limits.max_prompt_tokens or self.max_model_len, self.max_model_len)
-        bytes_per_token = max_bytes_per_token(llm.tokenizer) if llm.tokenizer is not None else None
-        self.max_prompt_bytes = None if bytes_per_token is None else self.max_prompt_tokens * bytes_per_token
+        self.byte_bound = prompt_byte_bound(llm.tokenizer) if llm.tokenizer is not None else None
         # Request preparation's own threads: a slow one never holds up the engine's step thread.
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenbudget-prepare")
 
@@ -127,7 +126,7 @@ class OpenAIServer:
         field = "messages" if chat else "prompt"
         if chat:
             messages = proto.chat_messages(req)
-            self._check_prompt_bytes(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages), field)
+            self._check_prompt_bytes(b"".join(m["content"].encode("utf-8", "surrogatepass") for m in messages), field)
             try:
                 prompt = self.llm.tokenizer.apply_chat_template(messages)
             except ValueError as exc:
@@ -135,7 +134,7 @@ class OpenAIServer:
         else:
             prompt = proto.completion_prompt(req)
             if isinstance(prompt, str):
-                self._check_prompt_bytes(len(prompt.encode("utf-8", "surrogatepass")), field)
+                self._check_prompt_bytes(prompt.encode("utf-8", "surrogatepass"), field)
             elif len(prompt) > self.max_prompt_tokens:
                 self._too_many_tokens(len(prompt), field)
         prepared = self.llm.make_request(rid, prompt, params)
@@ -149,11 +148,11 @@ class OpenAIServer:
                              f"asks for {num_prompt + asked} ({num_prompt} in the prompt, {asked} in {name})", name)
         return req, params, prepared
 
-    def _check_prompt_bytes(self, num_bytes: int, field: str) -> None:
-        """Refuse, unread, a prompt too long in bytes to fit in ``max_prompt_tokens`` tokens
-        (``limits.max_bytes_per_token`` says when that bound is certain)."""
-        if self.max_prompt_bytes is not None and num_bytes > self.max_prompt_bytes:
-            raise LimitError(f"{field} is {num_bytes} bytes: more than {self.max_prompt_tokens} tokens "
+    def _check_prompt_bytes(self, data: bytes, field: str) -> None:
+        """Refuse, before tokenizing, a prompt whose bytes alone need more than
+        ``max_prompt_tokens`` tokens (``limits.prompt_byte_bound`` says when that is certain)."""
+        if self.byte_bound is not None and self.byte_bound.min_tokens(data) > self.max_prompt_tokens:
+            raise LimitError(f"{field} is {len(data)} bytes: more than {self.max_prompt_tokens} tokens "
                              f"({self._token_limit()}), whatever its text", field)
 
     def _too_many_tokens(self, num_tokens: int, field: str) -> None:

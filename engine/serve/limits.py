@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -123,27 +124,61 @@ def check_counts(req, limits: ServerLimits) -> None:
                          f"{limits.max_logit_bias}", "logit_bias")
 
 
-def max_bytes_per_token(tokenizer) -> int | None:
-    """The most UTF-8 bytes of text one token can stand for, when that bound is certain; None
-    otherwise.
+class ByteBound(NamedTuple):
+    """A certain lower bound on a text's token count from its bytes alone (``prompt_byte_bound``)."""
 
-    The rule behind the check before tokenizing: if every token of a tokenization decodes to at
-    most L bytes and the tokenization loses no text, a text of B bytes needs at least B / L
-    tokens, so a text longer than ``max_prompt_tokens * L`` bytes can be refused unread. "Loses
-    no text" holds for byte-level BPE (every byte has a token) and for byte-fallback models
-    without a normalizer that can delete characters; for any other tokenizer (an ``<unk>`` can
-    stand for a whole run of characters) there is no such bound and the prompt is tokenized (off
-    the event loop) and counted.
+    bytes_per_token: int  # the most UTF-8 bytes of text one token stands for
+    dropped: bytes  # byte values the tokenizer has no symbol for: it drops them, so they count for nothing
+
+    def min_tokens(self, data: bytes) -> int:
+        counted = len(data) - sum(data.count(bytes((b,))) for b in self.dropped)
+        return -(-counted // self.bytes_per_token)
+
+
+def prompt_byte_bound(tokenizer) -> ByteBound | None:
+    """The bound, when it is certain for this tokenizer; None otherwise.
+
+    The rule behind refusing a prompt before tokenizing: if the tokenization loses no text except
+    bytes it has no symbol for, and every token decodes to at most L bytes, then a text of B
+    counted bytes needs at least B / L tokens. That holds for byte-level BPE without a normalizer
+    (each byte has a symbol in the alphabet, or is dropped when the vocabulary lacks it: the
+    default model's lacks a few control bytes) and for byte-fallback models with all 256 byte
+    tokens and a normalizer that never deletes text. For any other tokenizer (an ``<unk>`` can
+    stand for a whole run of characters) there is no such bound: the prompt is tokenized (off the
+    event loop) and counted. Decoding a token alone over-counts partial UTF-8 (a lone byte decodes
+    to 3), which only makes L larger: the bound stays safe.
     """
     backend = tokenizer.backend
     spec = json.loads(backend.to_str())
     model = spec.get("model") or {}
-    lossless = _has(spec.get("pre_tokenizer"), "ByteLevel") or bool(model.get("byte_fallback"))
-    if not lossless or not _only_adds(spec.get("normalizer")):
+    vocab = model.get("vocab") if isinstance(model.get("vocab"), dict) else None
+    if vocab is None or not _only_adds(spec.get("normalizer")):
+        return None
+    if _has(spec.get("pre_tokenizer"), "ByteLevel") and spec.get("normalizer") is None:
+        symbols = _byte_level_symbols()
+        dropped = bytes(b for b in range(256) if symbols[b] not in vocab)
+    elif model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256)):
+        dropped = b""
+    else:
         return None
     texts = backend.decode_batch([[i] for i in range(backend.get_vocab_size(with_added_tokens=True))],
                                  skip_special_tokens=False)
-    return max(4, max(len(t.encode("utf-8")) for t in texts))
+    return ByteBound(max(4, max(len(t.encode("utf-8")) for t in texts)), dropped)
+
+
+def _byte_level_symbols() -> list[str]:
+    """GPT-2's byte-level alphabet: the symbol of each byte value (printable bytes as themselves,
+    the others shifted past 255 in order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    symbols, shift = {}, 0
+    for b in range(256):
+        if b in printable:
+            symbols[b] = chr(b)
+        else:
+            symbols[b] = chr(256 + shift)
+            shift += 1
+    return [symbols[b] for b in range(256)]
 
 
 def _has(component, kind: str) -> bool:
