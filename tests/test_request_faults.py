@@ -141,3 +141,53 @@ def test_logits_processor_fault_in_every_child_ends_them_not_the_engine(tiny_dir
     assert "processor bug" in out.error
     again = offline.generate(["hi"], SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)[0]
     assert again.outputs[0].finish_reason == "length"
+
+
+# ---------------------------------------------------------------- the step contract, on the fake model
+def _fake_pair(poisoned: set[str], max_failed_steps: int = 2):
+    """A harness whose runner raises a ``RequestFault`` for the ``poisoned`` requests whenever one
+    is scheduled (as the grammar stage does), beside a fault-free twin."""
+    from tokenbudget.scheduler.config import SchedulerConfig
+    from tokenbudget.scheduler.request_fault import RequestFault
+    from tokenbudget.scheduler.testing.fingerprint import TransactionChecker
+    from tokenbudget.scheduler.testing.harness import Harness
+
+    class PoisonedRunner:
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def execute(self, sched):
+            hit = {sr.request_id: "poisoned grammar" for sr in sched.scheduled if sr.request_id in poisoned}
+            if hit:
+                raise RequestFault(hit)
+            return self.inner.execute(sched)
+
+    config = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, max_model_len=64, block_size=4,
+                             num_blocks=64, enable_prefix_caching=True)
+    h = Harness(config, seed=7, wrap_runner=PoisonedRunner)
+    h.core.max_failed_steps = max_failed_steps
+    checker = TransactionChecker(h.core)
+    twin = Harness(config, seed=7)
+    for i in range(5):
+        for x in (h, twin):
+            x.add(x.make_request(f"r{i}", [3 + i, 5, 7 + 2 * i, 11, 13, 2 + i], max_tokens=12, ignore_eos=True))
+    return h, twin, checker
+
+
+@pytest.mark.parametrize("poisoned", [{"r1", "r3"}, {f"r{i}" for i in range(5)}], ids=["some", "every"])
+def test_request_faults_end_their_requests_and_never_count_towards_death(poisoned):
+    """Even when every request of every step faults (an engine fault there would kill the engine,
+    and ``max_failed_steps`` is 2), the engine lives: exactly the poisoned requests end in error,
+    each failed attempt is rolled back, the others' tokens equal the fault-free twin's."""
+    h, twin, checker = _fake_pair(poisoned)
+    h.run_until_done(3, 0.6)
+    twin.run_until_done(3, 0.6)
+    assert h.core.is_healthy() and h.core.failed_steps_in_a_row == 0 and h.core.num_failed_attempts == 0
+    assert {rid for rid, reason in h.finished.items() if reason == "error"} == poisoned
+    for rid in set(twin.outputs) - poisoned:
+        assert h.outputs[rid] == twin.outputs[rid] and h.finished[rid] == twin.finished[rid]
+    assert checker.num_checked >= 1
+    assert h.scheduler.kv.num_free_blocks == h.scheduler.kv.num_blocks
