@@ -143,6 +143,30 @@ def test_logits_processor_fault_in_every_child_ends_them_not_the_engine(tiny_dir
     assert again.outputs[0].finish_reason == "length"
 
 
+def test_children_of_one_request_failing_alone_are_not_an_engine_fault(tiny_dir):
+    """A fault no stage attributes (here injected in the runner) that only the n children of one
+    request hit: each fails alone, which for two different requests would mean an engine-wide
+    fault; for siblings it is one request failing, so the engine lives."""
+    offline = LLM(tiny_dir, **OPTS)
+    runner = offline.engine.core.runner
+    real_execute = runner.execute
+
+    def execute(sched):
+        if any(sr.request_id.endswith("_doomed") for sr in sched.scheduled):
+            raise RuntimeError("injected fault of the doomed request")
+        return real_execute(sched)
+
+    runner.execute = execute
+    offline.engine.add_request("doomed", "hi", SamplingParams(n=3, max_tokens=4))
+    outputs = []
+    while offline.engine.has_unfinished_requests():
+        outputs.extend(offline.engine.step())
+    assert offline.engine.is_healthy()
+    assert [c.finish_reason for c in outputs[-1].outputs] == ["error"] * 3
+    again = offline.generate(["hi"], SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)[0]
+    assert again.outputs[0].finish_reason == "length"
+
+
 # ---------------------------------------------------------------- the step contract, on the fake model
 def _fake_pair(poisoned: set[str], max_failed_steps: int = 2):
     """A harness whose runner raises a ``RequestFault`` for the ``poisoned`` requests whenever one

@@ -34,7 +34,8 @@ as they were (``kv_cache.journal`` says what a rollback after a forward pass kee
   alone (twice), recursively, down to the requests whose presence makes a step fail: those
   finish with ``finish_reason="error"`` and the fault in ``RequestOutput.error``; the others go
   on, their output the same as in a fault-free run;
-* *engine-wide* faults: every request of the failed step (two or more) fails alone too, or
+* *engine-wide* faults: every request of the failed step (two or more, not all children of one
+  ``n > 1`` request) fails alone too, or
   ``max_failed_steps`` steps in a row in which nothing could run (a lone request failing alone
   each time looks exactly like a bad request; a few in a row do not): the engine is dead, every
   later call raises ``EngineDeadError``, and every request is released.
@@ -275,7 +276,10 @@ class EngineCore:
         outputs = []
         failed_alone: list[tuple[str, Exception]] = []
         self._isolate(suspects, last_fault, outputs, failed_alone)
-        if len(failed_alone) >= 2 and len(failed_alone) == len(suspects):
+        # Every request of the step failing alone is an engine fault, unless they are the children
+        # of one request (its n samples): that is one request failing, however many children.
+        owners = {self.outputs.parent_id(rid) for rid, _ in failed_alone}
+        if len(failed_alone) >= 2 and len(failed_alone) == len(suspects) and len(owners) >= 2:
             self._die(failed_alone[-1][1], [rid for rid, _ in failed_alone])
         self.failed_steps_in_a_row = 0 if self._progress else self.failed_steps_in_a_row + 1
         if self.failed_steps_in_a_row >= self.max_failed_steps:

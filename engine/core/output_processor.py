@@ -122,6 +122,11 @@ class OutputProcessor:
     def has(self, request_id: str) -> bool:
         return request_id in self.states
 
+    def parent_id(self, request_id: str) -> str:
+        """The id of the request a child belongs to (its own id for any other request)."""
+        link = self._parent_of.get(request_id)
+        return link[0].request_id if link is not None else request_id
+
     def child_ids(self, request_id: str) -> list[str] | None:
         """The children of a parent request in flight, or None for any other id."""
         parent = self.parents.get(request_id)
