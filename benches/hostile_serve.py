@@ -111,7 +111,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--neighbour-only", action="store_true", help="only part 2 (runs on older servers too)")
     args = ap.parse_args()
-    for label, extra in () if args.neighbour_only else (("default limits", []), ("--max-request-bytes 64 MiB", ["--max-request-bytes", str(64 << 20)])):
+    body_cases = (("default limits", []), ("--max-request-bytes 64 MiB", ["--max-request-bytes", str(64 << 20)]))
+    for label, extra in () if args.neighbour_only else body_cases:
         with server(extra, args.num_threads) as (url, pid):
             greedy(url, 4)
             with open(f"/proc/{pid}/clear_refs", "w") as f:

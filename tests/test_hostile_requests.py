@@ -16,7 +16,7 @@ import pytest
 from tokenbudget import AsyncLLM
 
 from serve_fixtures import KEY, running_server, wait_idle  # noqa: E402
-from tiny_model import make_tiny_llama_dir  # noqa: E402
+from tiny_llama import make_tiny_llama  # noqa: E402
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_MODEL_LEN = 256
@@ -66,12 +66,13 @@ CASES = [
     ("schema-1000-objects-deep", CHAT, deep_schema(1000, "object"), 400, "response_format"),
     ("schema-3000-arrays-deep", CHAT, deep_schema(3000, "array"), 400, "response_format"),
     ("schema-12-objects-deep-is-served", CHAT, deep_schema(12, "object"), 200, None),
-    ("schema-5MB-description", CHAT, chat(response_format=json_schema({"type": "object", "description": "d" * (5 << 20)})),
-     413, None),
-    ("schema-200KB-description", CHAT, chat(response_format=json_schema({"type": "string", "description": "d" * 200_000})),
-     400, "response_format"),
+    ("schema-5MB-description", CHAT, chat(response_format=json_schema(
+        {"type": "object", "description": "d" * (5 << 20)})), 413, None),
+    ("schema-200KB-description", CHAT, chat(response_format=json_schema(
+        {"type": "string", "description": "d" * 200_000})), 400, "response_format"),
     ("schema-5000-optional-properties", CHAT, chat(response_format=json_schema(
-        {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(5000)}})), 400, "response_format"),
+        {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(5000)}})), 400,
+     "response_format"),
     ("schema-600-optional-properties-too-complex", CHAT, chat(response_format=json_schema(
         {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}})), 400, "response_format"),
     ("model-name-10MB", COMPLETIONS, {"model": "m" * (10 << 20), "prompt": "hi"}, 413, None),
@@ -99,7 +100,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory) -> AsyncLLM:
-    path = make_tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "llama")
+    path = make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", layers=1, hidden=32, scale=25.0)
     return AsyncLLM(path, num_threads=1, kv_cache_memory_bytes=4 << 20, max_model_len=MAX_MODEL_LEN)
 
 

@@ -19,7 +19,7 @@ from tokenbudget import LLM, AsyncLLM, SamplingParams
 from tokenbudget.engine.serve.limits import ServerLimits
 
 from serve_fixtures import KEY, MODEL, server_in_thread, server_url, wait_idle  # noqa: E402
-from tiny_model import make_tiny_llama_dir  # noqa: E402
+from tiny_llama import make_tiny_llama  # noqa: E402
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 OPTS = dict(num_threads=1, kv_cache_memory_bytes=4 << 20, max_model_len=256)
@@ -43,7 +43,7 @@ def chat_with_schema(schema: dict, **fields) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> str:
-    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "llama")
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", layers=1, hidden=32, scale=25.0)
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +173,8 @@ def _fake_pair(poisoned: set[str], max_failed_steps: int = 2):
     is scheduled (as the grammar stage does), beside a fault-free twin."""
     from tokenbudget.scheduler.config import SchedulerConfig
     from tokenbudget.scheduler.request_fault import RequestFault
-    from tokenbudget.scheduler.testing.fingerprint import TransactionChecker
-    from tokenbudget.scheduler.testing.harness import Harness
+    from tokenbudget.testing.fingerprint import TransactionChecker
+    from tokenbudget.testing.harness import Harness
 
     class PoisonedRunner:
         def __init__(self, inner) -> None:

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenbudget import StructuredOutputsParams
+from tokenbudget.api import grammar_source
 from tokenbudget.engine.serve.limits import json_depth, prompt_byte_bound
-from tokenbudget.engine.structured import llguidance_backend
 
 from model_helpers import smollm2_gguf_tokenizer  # noqa: E402
 
@@ -59,9 +59,9 @@ def test_text_of_dropped_bytes_is_not_refused_by_its_length():
 
 def test_grammar_source_cache_is_bounded_by_bytes():
     """Twenty schemas with a 5 MB description each once stayed in the cache (~350 MB)."""
-    cache = llguidance_backend._SOURCES
+    cache = grammar_source._SOURCES
     for i in range(20):
         StructuredOutputsParams(json={"type": "string", "description": f"{i}" + "d" * (5 << 20)})
-        assert cache.num_bytes <= cache.max_bytes == llguidance_backend.SOURCE_CACHE_BYTES
+        assert cache.num_bytes <= cache.max_bytes == grammar_source.SOURCE_CACHE_BYTES
     StructuredOutputsParams(json={"type": "integer"})
     assert 0 < len(cache) and cache.num_bytes <= cache.max_bytes

@@ -10,9 +10,10 @@ thread pool of their own (``AsyncLLM.make_request``), never on the event loop, s
 every stream keep going while a large request is examined; the request is queued on the loop.
 A bad field is a 400 naming it, a limit a 400/413 naming the flag, a full queue a 429 with
 ``Retry-After``, a dead engine a 503, all as OpenAI error objects (never over a few hundred
-characters of message) and before any byte of a stream. A client that goes away (streaming or not) aborts its request at once: every
-response races the request's generation against the connection's ``http.disconnect``. A request
-that ends aborted or in error is reported as an error, never as a finished answer.
+characters of message) and before any byte of a stream. A client that goes away (streaming or
+not) aborts its request at once: every response races the request's generation against the
+connection's ``http.disconnect``. A request that ends aborted or in error is reported as an
+error, never as a finished answer.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tokenbudget.engine.api.errors import EngineDeadError, EngineOverloadedError, RequestError
+from tokenbudget.api.errors import EngineDeadError, EngineOverloadedError, RequestError
 from tokenbudget.engine.serve import protocol as proto
 from tokenbudget.engine.serve import responses as resp
 from tokenbudget.engine.serve.body_limit import LimitBody

@@ -9,8 +9,7 @@ Shapes follow what the official ``openai`` client parses: ``text_completion`` /
 
 from __future__ import annotations
 
-from tokenbudget.engine.api.outputs import Logprob, RequestMetrics, RequestOutput
-
+from tokenbudget.api.outputs import Logprob, RequestMetrics, RequestOutput
 
 MAX_ERROR_CHARS = 400  # an error quotes at most this much of anything (input included)
 
