@@ -12,6 +12,7 @@ loaded from this process with httpx.
    chat requests whose JSON schema is the pattern ``^a{100000}$`` (mask ~20 ms per step on the
    49k vocabulary): its wall time side by side, and what the three got. Timings are noisy on a
    shared machine: compare the ratio.
+3. ``--schema-cache-only``: this process's RSS around 20 schemas with a 5 MB description.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -104,13 +106,32 @@ def costly(url: str) -> str:
     return f"{r.status_code}: {r.json().get('error', {}).get('message', 'ok')[:100]}"
 
 
+def schema_cache_rss() -> str:
+    """RSS of this process before and after 20 schemas with a 5 MB description (the grammar source
+    cache, in-process: a server refuses such schemas past --max-schema-bytes)."""
+    import gc
+
+    from tokenbudget import StructuredOutputsParams
+    StructuredOutputsParams(json={"type": "integer"})
+    gc.collect()
+    before = rss_mb(os.getpid())[0]
+    for i in range(20):
+        StructuredOutputsParams(json={"type": "string", "description": f"{i}" + "d" * (5 << 20)})
+    gc.collect()
+    return f"20 schemas with a 5 MB description: RSS {before:.0f} -> {rss_mb(os.getpid())[0]:.0f} MB"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-threads", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--neighbour-only", action="store_true", help="only part 2 (runs on older servers too)")
+    ap.add_argument("--schema-cache-only", action="store_true", help="only the in-process schema cache RSS")
     args = ap.parse_args()
+    if args.schema_cache_only:
+        print(schema_cache_rss())
+        return
     body_cases = (("default limits", []), ("--max-request-bytes 64 MiB", ["--max-request-bytes", str(64 << 20)]))
     for label, extra in () if args.neighbour_only else body_cases:
         with server(extra, args.num_threads) as (url, pid):
