@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
-
 
 def write_tokenizer_files(path) -> None:
     """A byte-level BPE tokenizer.json (no merges) + tokenizer_config.json with a chat template."""
@@ -43,15 +41,13 @@ def hf_llama_from_loaded(loaded):
 
 
 def smollm2_gguf_tokenizer():
-    """The default model's tokenizer read from its GGUF metadata (skips when unavailable)."""
-    from tokenbudget.engine.loader import default_model as dm
+    """The default model's tokenizer read from its GGUF metadata (skips only where the file
+    cannot be had: ``engine_fixtures.default_model_path_or_skip``)."""
     from tokenbudget.engine.loader.gguf_loader import read_gguf_metadata
     from tokenbudget.engine.text.tokenizer import Tokenizer
-    try:
-        path = dm.default_model_path()
-    except RuntimeError as exc:
-        pytest.skip(f"default model unavailable: {exc}")
-    return Tokenizer.from_gguf_metadata(read_gguf_metadata(path))
+
+    from engine_fixtures import default_model_path_or_skip
+    return Tokenizer.from_gguf_metadata(read_gguf_metadata(default_model_path_or_skip()))
 
 
 def scheduled(req, nc: int, n: int, token_ids, spec, table, needs_sample: bool | None = None):

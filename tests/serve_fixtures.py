@@ -8,10 +8,7 @@ import time
 
 import pytest
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-
-from tokenbudget.engine.serve.server import free_port, server_in_thread, server_url  # noqa: E402, F401
+from tokenbudget.engine.serve.server import free_port, server_in_thread, server_url  # noqa: F401
 
 MODEL = "smol"
 KEY = "test-key"

@@ -37,12 +37,8 @@ def test_equal_to_plain_needs_every_repeat_equal():
 
 @pytest.mark.slow
 def test_quick_run_without_llama_cpp(tmp_path):
-    from tokenbudget.engine.loader.default_model import default_model_path
-
-    try:
-        default_model_path()
-    except RuntimeError as exc:  # offline and nothing cached
-        pytest.skip(f"default model unavailable: {exc}")
+    from engine_fixtures import default_model_path_or_skip
+    default_model_path_or_skip()
     path = tmp_path / "peers.json"
     modes = ["tokenbudget-plain", "tokenbudget-ngram", "transformers-plain"]
     cpu_peers.main(["--quick", "--threads", "1", "--modes", *modes, "--json", str(path)])

@@ -17,7 +17,7 @@ from tokenbudget.engine.api.sampling_params import SamplingParams
 
 from model_helpers import write_tokenizer_files  # noqa: E402
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 VOCAB = 259
 PROMPTS = ["hello world, hello world, hello", "abcabcabcabc", "The quick brown fox",

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 from tokenbudget.engine.model import build_model  # noqa: E402
 from tokenbudget.engine.model.config import ModelConfig  # noqa: E402

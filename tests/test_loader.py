@@ -22,7 +22,7 @@ from tokenbudget.engine.loader.hf_loader import hf_config_to_model_config
 
 from model_helpers import hf_llama_from_loaded, write_tokenizer_files  # noqa: E402
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 # ---------------------------------------------------------------- dequantization
 
@@ -254,11 +254,8 @@ def test_default_model_cached_and_offline_error(tmp_path, monkeypatch) -> None:
 
 @pytest.fixture(scope="module")
 def smollm2() -> LoadedModel:
-    try:
-        path = dm.default_model_path()
-    except RuntimeError as exc:
-        pytest.skip(f"default model unavailable: {exc}")
-    return load_model_files(path)
+    from engine_fixtures import default_model_path_or_skip
+    return load_model_files(default_model_path_or_skip())
 
 
 def test_smollm2_config(smollm2: LoadedModel) -> None:

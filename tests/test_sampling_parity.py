@@ -23,7 +23,7 @@ from tokenbudget import LLM, SamplingParams
 from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, default_loaded, default_target  # noqa: E402
 from model_helpers import hf_llama_from_loaded  # noqa: E402
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 PROMPTS = ["Repeat after me: red green blue, red green blue, red green blue, red green blue,",
            "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef"]

@@ -21,7 +21,7 @@ from tokenbudget import AsyncLLM
 from engine_fixtures import ENGINE_OPTS, default_loaded, default_target  # noqa: E402
 from serve_fixtures import KEY, MODEL, free_port, running_server, wait_idle  # noqa: E402
 
-prometheus_parser = pytest.importorskip("prometheus_client.parser")
+from prometheus_client import parser as prometheus_parser
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LONG = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 400, "temperature": 0,
@@ -129,7 +129,7 @@ def test_health_turns_503_after_an_engine_wide_failure():
 def test_sigterm_drains_and_exits_zero(tmp_path):
     """A real ``tokenbudget serve`` process: a request in flight at SIGTERM still completes, new
     connections are refused, the process exits 0."""
-    default_loaded()  # skips when the default model cannot be had
+    default_loaded()  # skips only when the default model cannot be had (engine_fixtures)
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "tokenbudget.engine.cli.main", "serve", "--port", str(port),
