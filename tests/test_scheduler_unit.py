@@ -8,6 +8,8 @@ from tokenbudget.scheduler.config import SchedulerConfig
 from tokenbudget.scheduler.testing.fake_model import FakeModelSpec
 from tokenbudget.scheduler.testing.harness import Harness
 
+from engine_fixtures import bounded
+
 SPEC = FakeModelSpec()
 
 
@@ -31,7 +33,7 @@ def test_long_prompt_is_chunked_under_the_budget():
     h = Harness(cfg(max_num_batched_tokens=8), SPEC)
     h.add(h.make_request("a", list(range(1, 21)), max_tokens=3, ignore_eos=True))
     sizes, samples = [], []
-    while h.scheduler.has_unfinished_requests():
+    for _ in bounded(h.scheduler.has_unfinished_requests):
         out = manual_step(h)
         assert out.total_num_scheduled_tokens <= 8
         sizes.append(out.scheduled[0].num_tokens)
@@ -86,7 +88,7 @@ def admission_order(policy: str) -> list[str]:
     for rid, prio in [("a", 5), ("b", 0), ("c", 1), ("d", 0)]:
         h.add(h.make_request(rid, [1, 2, 3], max_tokens=2, priority=prio, ignore_eos=True))
     order = []
-    while h.scheduler.has_unfinished_requests():
+    for _ in bounded(h.scheduler.has_unfinished_requests):
         for sr in manual_step(h).scheduled:
             if sr.is_new:
                 order.append(sr.request_id)

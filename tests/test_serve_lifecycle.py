@@ -18,8 +18,8 @@ import pytest
 
 from tokenbudget import AsyncLLM
 
-from engine_fixtures import ENGINE_OPTS, default_loaded, default_target  # noqa: E402
-from serve_fixtures import KEY, MODEL, StepGate, free_port, running_server, wait_idle  # noqa: E402
+from engine_fixtures import ENGINE_OPTS, StepGate, default_loaded, default_target  # noqa: E402
+from serve_fixtures import KEY, MODEL, free_port, running_server, wait_idle  # noqa: E402
 
 from prometheus_client import parser as prometheus_parser
 
