@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -48,6 +49,18 @@ def smollm2_gguf_tokenizer():
 
     from engine_fixtures import default_model_path_or_skip
     return Tokenizer.from_gguf_metadata(read_gguf_metadata(default_model_path_or_skip()))
+
+
+@functools.cache
+def hf_gguf_tokenizer():
+    """transformers' tokenizer for the default model, built by transformers itself from the same
+    GGUF's metadata (``gguf_file=``, via the ``gguf`` package): the reference our tokenizer is
+    compared with, and what the vs-transformers tests feed transformers (its own ids, not ours)."""
+    import transformers
+
+    from engine_fixtures import default_model_path_or_skip
+    path = default_model_path_or_skip()
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
 def scheduled(req, nc: int, n: int, token_ids, spec, table, needs_sample: bool | None = None):

@@ -21,7 +21,7 @@ import torch
 from tokenbudget import LLM, SamplingParams
 
 from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, default_loaded, default_target  # noqa: E402
-from model_helpers import hf_llama_from_loaded  # noqa: E402
+from model_helpers import hf_gguf_tokenizer, hf_llama_from_loaded  # noqa: E402
 
 import transformers
 
@@ -162,9 +162,9 @@ def unprocessed(llm) -> list[list[int]]:
 
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_greedy_equals_transformers_step_loop(feature, plain, unprocessed, hf, llm) -> None:
-    process = reference_processor(feature, llm.tokenizer)
+    process = reference_processor(feature, hf_gguf_tokenizer())  # bad words as transformers tokenizes them
     for p, prompt in enumerate(PROMPTS):
-        ids = llm.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = hf_gguf_tokenizer()(prompt).input_ids  # transformers' own tokenization, not ours
         want, gap = reference_greedy(hf, ids, process)
         assert gap > MIN_GAP, f"{feature}: a near tie ({gap:.2e}) makes this prompt unfit"
         assert plain[(feature, p)] == want, f"{feature}, prompt {p}"
