@@ -6,8 +6,6 @@ from __future__ import annotations
 import contextlib
 import time
 
-import pytest
-
 from tokenbudget.engine.serve.server import free_port, server_in_thread, server_url  # noqa: F401
 
 MODEL = "smol"

@@ -16,10 +16,9 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import conftest
 import pytest
 import torch
-
-import conftest
 
 COLLECT = """
 import pytest

@@ -21,7 +21,7 @@ from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.model.quant import QuantLinear, quantize_model
 from tokenbudget.kernels.cpu import quant_gemm as cg
 
-import test_batch_invariance as tbi
+import batch_schedules as tbi
 
 pytestmark = pytest.mark.usefixtures("c_kernels")
 

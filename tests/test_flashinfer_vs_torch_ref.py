@@ -11,13 +11,14 @@ backends are checked against one independent answer on mixed, decode, verify and
 
 from __future__ import annotations
 
-import flashinfer_standin as fis
 import pytest
 import torch
 
 from tokenbudget.kernels.attention.base import AttentionSpec
 from tokenbudget.kernels.attention.flashinfer_backend import FlashInferBackend
 from tokenbudget.kernels.attention.torch_ref import TorchRefBackend
+
+import flashinfer_standin as fis
 
 SPEC = AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32)
 

@@ -8,6 +8,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import transformers
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as np_dequantize
 from gguf.quants import quantize as np_quantize
@@ -21,8 +22,6 @@ from tokenbudget.engine.loader.gguf_loader import gguf_tensor_name_to_hf, unperm
 from tokenbudget.engine.loader.hf_loader import hf_config_to_model_config
 
 from model_helpers import hf_llama_from_loaded, write_tokenizer_files  # noqa: E402
-
-import transformers
 
 # ---------------------------------------------------------------- dequantization
 

@@ -17,13 +17,12 @@ import inspect
 
 import pytest
 import torch
+import transformers
 
 from tokenbudget import LLM, SamplingParams
 
 from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, default_loaded, default_target  # noqa: E402
 from model_helpers import hf_gguf_tokenizer, hf_llama_from_loaded  # noqa: E402
-
-import transformers
 
 PROMPTS = ["Repeat after me: red green blue, red green blue, red green blue, red green blue,",
            "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef"]

@@ -15,13 +15,12 @@ import time
 
 import httpx
 import pytest
+from prometheus_client import parser as prometheus_parser
 
 from tokenbudget import AsyncLLM
 
 from engine_fixtures import ENGINE_OPTS, StepGate, default_loaded, default_target  # noqa: E402
 from serve_fixtures import KEY, MODEL, free_port, running_server, wait_idle  # noqa: E402
-
-from prometheus_client import parser as prometheus_parser
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LONG = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 400, "temperature": 0,
@@ -140,8 +139,8 @@ def test_health_turns_503_after_an_engine_wide_failure():
 # the test, not the machine's speed, decides that a request is still in flight at SIGTERM.
 GATED_SERVE = """
 import os, sys, time
-from tokenbudget.engine.api.llm_engine import LLMEngine
-from tokenbudget.engine.cli.main import main
+from tokenbudget.cli.main import main
+from tokenbudget.engine.entrypoints.llm_engine import LLMEngine
 real, gate, steps = LLMEngine.step, sys.argv[1], [0]
 def step(self):
     deadline = time.monotonic() + 120

@@ -22,8 +22,6 @@ import torch
 
 from tokenbudget import LLM, SamplingParams
 
-import transformers
-
 from engine_fixtures import (  # noqa: E402
     ENGINE_OPTS,
     assert_all_blocks_free,

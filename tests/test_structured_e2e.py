@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import re
 
+import jsonschema
 import pytest
 
 from tokenbudget import LLM, SamplingParams, StructuredOutputsParams
 
 from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, default_target
 from structured_schemas import MAX_TOKENS, SCHEMAS
-
-import jsonschema
 
 SPECS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4},

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTok
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from tokenbudget.engine.loader.gguf_tokenizer import build_gguf_tokenizer
+from tokenbudget.engine.text.gguf_tokenizer import build_gguf_tokenizer
 from tokenbudget.engine.text.tokenizer import Tokenizer
 
 from model_helpers import hf_gguf_tokenizer, smollm2_gguf_tokenizer  # noqa: E402
@@ -113,7 +113,8 @@ def test_smollm2_chat_template(smol: Tokenizer) -> None:
 # spelled inside text, and the empty string.
 CORPUS = ["Hello world", "  leading,   inner   runs\t\ttabs\n\n\nnewlines  \n", " ", "", "a" * 200,
           "x 2024, 3.14159, -42, 1e10, 0x1F, 1,000,000 and 007", "I'm sure we're done, they'll say, it's Bob's",
-          "naïve café — “quotes” ¿qué? Ω≈ç√∫ 日本語のテキスト 한국어 🤖👍🏽🎉", "\u00a0nbsp\u200bzero width\u3000ideographic",
+          "naïve café — “quotes” ¿qué? Ω≈ç√∫ 日本語のテキスト 한국어 🤖👍🏽🎉",
+          "\u00a0nbsp\u200bzero width\u3000ideographic",
           "def f(x):\n    return x**2  # ok\n\n\tif y:\r\n        pass", "MiXeD CASE and UPPER WORDS",
           "<|im_start|>user\nhi<|im_end|>\n", "<|endoftext|>text<|im_end|><|im_start|>assistant\n<|im_start|>"]
 CHATS = [[{"role": "user", "content": "What is 2+2?"}],
