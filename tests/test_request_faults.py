@@ -18,7 +18,7 @@ import pytest
 from tokenbudget import LLM, AsyncLLM, SamplingParams
 from tokenbudget.engine.serve.limits import ServerLimits
 
-from serve_fixtures import KEY, MODEL, server_in_thread, server_url, wait_idle  # noqa: E402
+from serve_fixtures import KEY, running_server, wait_idle  # noqa: E402
 from tiny_llama import make_tiny_llama  # noqa: E402
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -54,9 +54,8 @@ def llm(tiny_dir) -> AsyncLLM:
 
 @pytest.fixture(scope="module")
 def url(llm):
-    with server_in_thread(llm, MODEL, api_key=KEY, log_level="warning",
-                          limits=ServerLimits(max_schema_bytes=1 << 20)) as server:
-        yield server_url(server)
+    with running_server(llm, limits=ServerLimits(max_schema_bytes=1 << 20)) as base:
+        yield base
 
 
 def post(url: str, route: str, body: dict) -> httpx.Response:
