@@ -238,6 +238,25 @@ class FlashInferBackend(AttentionBackend):
         return GraphAttentionState(self, batch_size, q_len, max_pages)
 
 
+def zero_int_workspaces(wrapper: Any) -> None:
+    """Zero a ``use_cuda_graph=True`` wrapper's int workspaces (device and page-locked host).
+
+    In graph mode FlashInfer launches a padded grid, ``max(2 * #SM / num_kv_heads, tiles)``
+    CTAs, but ``plan()`` writes scheduler entries (request, q-tile and kv-tile indices) for the
+    real tiles only; the padding CTAs read what the buffers held before. Both are ``torch.empty``
+    and torch's pinned-memory cache recycles earlier wrappers' buffers, so those entries were
+    wild request indices: illegal memory access or silent corruption (flashinfer issue #4002).
+    Zeroed once here, they stay zero (a bucket's real tile count never changes, so every plan
+    writes the same entries): a padding CTA recomputes request 0's first tile and writes the same
+    values again. The buffer names are 0.6.18.post1's (``flashinfer/decode.py``)."""
+    for name in ("_int_workspace_buffer", "_pin_memory_int_workspace_buffer"):
+        buf = getattr(wrapper, name, None)
+        if not isinstance(buf, torch.Tensor):
+            raise RuntimeError(f"flashinfer wrapper has no {name} (written against 0.6.18.post1): "
+                               "cannot zero the graph-mode scheduler padding")
+        buf.zero_()
+
+
 class GraphAttentionState:
     """A tensor-core decode wrapper in ``use_cuda_graph=True`` mode over fixed device buffers,
     planned exactly like the eager uniform groups (``q_len_per_req=L``, no KV split).
@@ -270,6 +289,7 @@ class GraphAttentionState:
             backend.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
             paged_kv_indptr_buffer=self.kv_indptr, paged_kv_indices_buffer=self.kv_indices,
             paged_kv_last_page_len_buffer=self.kv_last_page_len, backend=backend.fa_backend)
+        zero_int_workspaces(self.wrapper)
         self.generation = 0
         self._data = FlashInferData([], 0, self, planned=True, row_pad=self.row_pad)
 
@@ -321,4 +341,5 @@ __all__ = [
     "build_page_table",
     "eager_workspace_bytes",
     "flashinfer_refusal",
+    "zero_int_workspaces",
 ]
