@@ -9,10 +9,19 @@ split into GROUPS by query length, each planned on its own wrapper:
 
 * requests with ``q_len = L <= UNIFORM_MAX_Q_LEN`` (decodes, L = 1; (1 + k)-token verifies) go
   through a tensor-core ``BatchDecodeWithPagedKVCacheWrapper`` planned with ``q_len_per_req=L``
-  and ``disable_split_kv=True``. Tensor-core decode runs FlashInfer's *prefill* kernel with a
-  tile sized for exactly L rows; without a KV split, a row's arithmetic depends only on its own
-  request: not on its neighbours in a mixed batch, not on the batch size, not on whether the
-  step runs eagerly or as a CUDA-graph replay (the graph wrappers are planned the same way);
+  and ``disable_split_kv=True``. Tensor-core decode runs FlashInfer's *prefill* kernel with a CTA
+  tile chosen from the packed rows ``L * G`` (G = query heads per kv head): 16 rows up to 16,
+  64 up to 64, else 128. Without a KV split a row's arithmetic depends only on its own request
+  and its group's tile: not on its neighbours in a mixed batch, not on the batch size. So a
+  decode and a verify of the same position can differ (a GQA-4 decode packs 4 rows, tile 16; a
+  5-row verify 20, tile 64), and a CUDA-graph replay of a uniform bucket is planned exactly like
+  eager while a padded one (fewer drafts than the bucket's k) runs the bucket's tile;
+* deterministic mode (``deterministic=True``) plans EVERY uniform request with
+  ``L = DETERMINISTIC_Q_LEN`` (16) in one group, padding rows after its real ones (the planned
+  context grows by the padding, which keeps every real row's bottom-right causal limit; pages
+  past the table point at block 0 and are read by padding rows only): one tile for decodes,
+  verifies of any k and graph buckets (which plan with the same L), so decode = verify =
+  replay bitwise. Cost: a decode computes 16 rows per request (owed: a GPU measurement);
 * the rest (prefill chunks) go through one ``BatchPrefillWithPagedKVCacheWrapper``
   (``causal=True``, bottom-right aligned), split-KV as FlashInfer chooses unless
   ``deterministic=True``.
@@ -94,9 +103,10 @@ class _Group:
     """Requests planned together on one wrapper."""
 
     wrapper: Any
-    q_len: int                    # L of a uniform group; 0 for the prefill group
+    q_len: int                    # planned L of a uniform group; 0 for the prefill group
     page_table: PageTable
     rows: torch.Tensor | None     # flat query rows of the group (None: all rows, in order)
+    dest: torch.Tensor | None = None  # padded group: the planned rows of ``rows`` (B * L in all)
 
 
 @dataclass(slots=True)
@@ -111,6 +121,10 @@ class FlashInferData:
 
 
 UNIFORM_MAX_Q_LEN = 16  # q_len up to this runs through tensor-core decode (q_len_per_req)
+# Deterministic mode plans every uniform request with this L (padding rows after the real ones):
+# the kernel's CTA tile comes from the packed rows L * G (16 | 64 | 128), so a decode and a
+# (1 + k)-row verify of a GQA-4 layout would otherwise run different tiles from k = 4 on.
+DETERMINISTIC_Q_LEN = UNIFORM_MAX_Q_LEN
 
 
 def eager_workspace_bytes(spec: AttentionSpec, num_sms: int) -> int:
@@ -179,7 +193,8 @@ class FlashInferBackend(AttentionBackend):
         by_len: dict[int, list[int]] = {}
         for b in range(len(kv_lens)):
             q_len = qo_indptr[b + 1] - qo_indptr[b]
-            by_len.setdefault(q_len if q_len <= UNIFORM_MAX_Q_LEN else 0, []).append(b)
+            key = 0 if q_len > UNIFORM_MAX_Q_LEN else self.planned_q_len(q_len)
+            by_len.setdefault(key, []).append(b)
         groups = [self._group(key, reqs, qo_indptr, kv_lens, block_tables, len(by_len) == 1)
                   for key, reqs in sorted(by_len.items())]
         self.generation += 1
@@ -188,17 +203,33 @@ class FlashInferBackend(AttentionBackend):
         return AttentionMetadata(list(qo_indptr), list(kv_lens), block_tables, slots,
                                  num_tokens, data, self)
 
+    def planned_q_len(self, q_len: int) -> int:
+        """The L a uniform request of ``q_len`` rows is planned with: its own, or in deterministic
+        mode ``DETERMINISTIC_Q_LEN`` for every one (see the module docstring)."""
+        return DETERMINISTIC_Q_LEN if self.deterministic else q_len
+
     def _group(self, q_len: int, reqs: list[int], qo_indptr: list[int], kv_lens: list[int],
                block_tables: list[list[int]], whole: bool) -> _Group:
-        sub_qo, rows = [0], []
-        for b in reqs:
+        sub_qo, rows, dest, kv, tables = [0], [], [], [], []
+        bs = self.spec.block_size
+        padded = False
+        for i, b in enumerate(reqs):
+            n = qo_indptr[b + 1] - qo_indptr[b]
             rows.extend(range(qo_indptr[b], qo_indptr[b + 1]))
             sub_qo.append(len(rows))
-        pt = build_page_table(sub_qo, [kv_lens[b] for b in reqs], [block_tables[b] for b in reqs],
-                              self.spec.block_size)
+            pad = q_len - n if q_len else 0  # padding rows after the real ones (as in a graph)
+            padded |= pad > 0
+            dest.extend(range(i * q_len, i * q_len + n) if q_len else ())
+            kv.append(kv_lens[b] + pad)
+            need = -(-kv[-1] // bs)
+            tables.append(list(block_tables[b][:need]) + [0] * (need - len(block_tables[b])))
+        if padded:
+            sub_qo = list(range(0, len(reqs) * q_len + 1, q_len))
+        pt = build_page_table(sub_qo, kv, tables, bs)
         wrapper = self.uniform_wrapper(q_len) if q_len else self._prefill
-        row_t = None if whole else torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
-        return _Group(wrapper, q_len, pt, row_t)
+        to_dev = lambda x: torch.tensor(x, dtype=torch.long).to(self.device, non_blocking=True)  # noqa: E731
+        row_t = None if whole and not padded else to_dev(rows)
+        return _Group(wrapper, q_len, pt, row_t, to_dev(dest) if padded else None)
 
     # ---- per layer ------------------------------------------------------------------------
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -223,7 +254,11 @@ class FlashInferBackend(AttentionBackend):
         if q.shape[0] > n:  # the model's row padding (pad_rows): zeros, no per-layer zero tensor
             out[n:].zero_()
         for g in d.groups:
-            if g.rows is None:
+            if g.dest is not None:  # deterministic mode: rows padded to the group's planned L
+                qp = q.new_zeros(g.page_table.kv_last_page_len.shape[0] * g.q_len, *q.shape[1:])
+                qp.index_copy_(0, g.dest, q.index_select(0, g.rows))
+                out.index_copy_(0, g.rows, g.wrapper.run(qp, kv_cache).index_select(0, g.dest))
+            elif g.rows is None:
                 g.wrapper.run(q[:n].contiguous(), kv_cache, out=out[:n])
             else:
                 out.index_copy_(0, g.rows, g.wrapper.run(q.index_select(0, g.rows), kv_cache))
@@ -276,6 +311,7 @@ class GraphAttentionState:
             raise ValueError(f"bad graph bucket: batch_size={batch_size} q_len={q_len} "
                              f"max_pages={max_pages}")
         fi, dev = backend._fi, backend.device
+        q_len = backend.planned_q_len(q_len)  # deterministic mode: the eager groups' L
         self.backend, self.batch_size, self.q_len = backend, batch_size, q_len
         self.num_tokens = batch_size * q_len
         i32 = {"dtype": torch.int32, "device": dev}
@@ -333,6 +369,7 @@ class GraphAttentionState:
 
 
 __all__ = [
+    "DETERMINISTIC_Q_LEN",
     "UNIFORM_MAX_Q_LEN",
     "FlashInferBackend",
     "FlashInferData",
