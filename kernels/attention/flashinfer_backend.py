@@ -137,6 +137,9 @@ def eager_workspace_bytes(spec: AttentionSpec, num_sms: int) -> int:
 
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
+    # attend() calls in this process, all instances: benches/gpu_check.py's proof that the
+    # FlashInfer kernels (or, in CPU tests, the stand-in) really ran in a section
+    attend_calls = 0
 
     def __init__(self, spec: AttentionSpec, device: torch.device | str = "cuda", *,
                  workspace_bytes: int | None = None, fa_backend: str = "fa2",
@@ -242,6 +245,7 @@ class FlashInferBackend(AttentionBackend):
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor,
                metadata: AttentionMetadata) -> torch.Tensor:
         d: FlashInferData = metadata.backend_data
+        FlashInferBackend.attend_calls += 1
         if d.generation != d.owner.generation:
             raise RuntimeError("stale attention metadata: the wrapper was re-planned since "
                                "this metadata was built (one backend per model, one step at a time)")
