@@ -58,6 +58,8 @@ def _check_deterministic_model() -> None:
     plain, det = build_model(cfg, sd), build_model(cfg, sd)
     assert apply_deterministic_mode(det, "cpu")
     assert all(lin.invariant for lin in (det.layers[0].qkv, det.layers[0].down, det.lm_head))
+    from tokenbudget.kernels.rmsnorm_triton import rms_norm_batch_invariant
+    assert det.rms_norm is rms_norm_batch_invariant and plain.rms_norm is not rms_norm_batch_invariant
     hidden = torch.randn(7, 64, generator=torch.Generator().manual_seed(2))
     got = det.compute_logits(hidden)
     torch.testing.assert_close(got, plain.compute_logits(hidden), atol=1e-4, rtol=1e-4)

@@ -8,6 +8,8 @@ torch_ref attention, see ``engine/model/llama.py``). On CUDA that needs:
 * attention: every decode/verify row through tensor-core decode with ``q_len_per_req`` and no
   KV split (the FlashInfer backend always does this), and prefill chunks with
   ``disable_split_kv=True`` (``FlashInferBackend(deterministic=True)``, passed by the selector);
+* RMSNorm: ``kernels/rmsnorm_triton.py`` (one program per row, one fixed-width reduction)
+  instead of torch's CUDA reduction, whose launch shape depends on the row count;
 * GEMMs: the batch-invariant Triton matmul (``kernels/batch_invariant_matmul.py``; one tiling
   for every M) instead of cuBLAS, whose kernel choice depends on M;
 * no bf16/fp16 reduced-precision reductions in any cuBLAS call left (``torch.backends``);
@@ -40,12 +42,14 @@ def apply_deterministic_mode(model, device: torch.device | str) -> bool:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
         torch.backends.cuda.matmul.allow_tf32 = False
+    from tokenbudget.kernels.rmsnorm_triton import rms_norm_batch_invariant
+    model.rms_norm = rms_norm_batch_invariant
     layers = list(model.layers)
     for lw in layers:
         for lin in (lw.qkv, lw.o, lw.gate_up, lw.down):
             lin.invariant = True
     model.lm_head.invariant = True
-    logger.info("deterministic mode: batch-invariant matmul for %d linears on %s",
+    logger.info("deterministic mode: batch-invariant matmul for %d linears and RMSNorm on %s",
                 4 * len(layers) + 1, device)
     return True
 
