@@ -81,3 +81,24 @@ def test_deterministic_mode_is_a_noop_on_cpu_without_the_interpreter(monkeypatch
     assert EngineConfig(deterministic=True).deterministic
     with pytest.raises(ValueError, match="deterministic"):
         EngineConfig(deterministic="yes")
+
+
+def test_deterministic_mode_leaves_process_wide_cublas_flags_alone(monkeypatch):
+    """Every GEMM of the target goes through the Triton matmul in deterministic mode, so the
+    process-wide cuBLAS flags it used to flip (and never restore) changed nothing of its own."""
+    from test_batch_invariance import random_state_dict
+
+    from tokenbudget.engine.model import build_model
+    from tokenbudget.engine.model.config import ModelConfig
+    from tokenbudget.engine.worker import deterministic
+
+    cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = build_model(cfg, random_state_dict(cfg, seed=1))
+    monkeypatch.setattr(deterministic, "triton_runnable_on", lambda device: True)
+    flags = torch.backends.cuda.matmul
+    monkeypatch.setattr(flags, "allow_tf32", True)
+    monkeypatch.setattr(flags, "allow_bf16_reduced_precision_reduction", True)
+    assert deterministic.apply_deterministic_mode(model, "cuda")
+    assert flags.allow_tf32 and flags.allow_bf16_reduced_precision_reduction
+    assert model.lm_head.invariant
