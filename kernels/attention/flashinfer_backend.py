@@ -38,6 +38,11 @@ installed, else torch index_put); rows past ``num_tokens`` and slots -1 are not 
 
 State: the wrappers hold the plan, so metadata is valid until the next ``build_metadata`` on
 the same backend (checked through a generation counter). One backend instance per model.
+``plan()`` fills a wrapper's page-locked int buffer and copies it to the device asynchronously;
+the next step's ``plan()`` of the same wrapper must not rewrite it before that copy ran. The
+``torch.cuda.synchronize()`` that ends every CUDA step in ``ModelRunner.execute`` guarantees it
+(kept: the sampled tokens' host copy synchronises there anyway, so an event per wrapper would
+save nothing).
 
 Import-safe without flashinfer or CUDA: flashinfer is imported in ``__init__`` only, and a
 stand-in module with the same wrapper signatures may be passed instead (``flashinfer=``; the
