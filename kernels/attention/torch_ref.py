@@ -18,7 +18,11 @@ invariant:
   request's rows are cut into 4-row blocks and each block is its own GEMM (a batch entry of
   ``bmm``: over the heads when the request has few blocks, over the blocks of one head through a
   stride-0 expand of its keys when it has many). GQA groups the G query heads of a kv head into
-  the rows, position-major: M = round_up(G * q_len, 4);
+  the rows, position-major: M = round_up(G * q_len, 4). The one assumption left: a 4-row GEMM
+  gives a row the same bits at any of its 4 offsets (true of MKL's optimized and portable
+  paths, ``tests/test_attention_row_blocks.py``). Cost: a verify or a prefill chunk issues many
+  small GEMMs (``benches/torch_ref_row_blocks.py``: prefill attention ~2-3x, decode unchanged;
+  the quantized default model's one-call C forward does not use this backend);
 * keys are padded to ``np``, a multiple of 256, and masked to -inf (MKL's narrow-N kernels,
   N < 8, differ; a score element is otherwise the same dot product whatever ``np``);
 * softmax weights are ``exp(s - rowmax)`` (max is order independent; masked weights are exact
