@@ -114,7 +114,7 @@ def section_graph_vs_eager(args) -> dict:
 
 def section_verify_cost(args) -> dict:
     eng = build_engine(args, args.models[-1], False, max_num_seqs=max(args.verify_batches))
-    rows = bench_verify(eng, args.verify_batches, list(range(0, args.max_k + 1)), args.context,
+    rows = bench_verify(eng, args.verify_batches, list(range(args.max_k + 1)), args.context,
                         args.iters, 2, seed=0)
     k4 = [r["ratio_to_k0"] for r in rows if r["batch"] == 1 and r["k"] == 4]
     return {"status": "ok", "k4_over_k0_at_b1": k4[0] if k4 else None,

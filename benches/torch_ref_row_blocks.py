@@ -38,7 +38,7 @@ def main() -> None:
     spec = AttentionSpec(9, 3, 64, 16, torch.float32)
     blocked = torch_ref._bmm_row_blocks
     variants = {"4-row blocks": blocked, "whole M": lambda a, b: torch.bmm(a, b)}
-    print(f"| case | 4-row blocks (us) | whole M (us) | ratio | bitwise equal here |")
+    print("| case | 4-row blocks (us) | whole M (us) | ratio | bitwise equal here |")
     print("|---|---|---|---|---|")
     for name, reqs in CASES.items():
         pool = Pool(spec, sum(-(-kv // 16) + 1 for _, kv in reqs) + 1, "cpu", 0)

@@ -19,10 +19,11 @@ import sys
 import pytest
 import torch
 
-from benches.gpu_check_attention import Pool, run_batch
 from tokenbudget.kernels.attention.base import AttentionSpec
 from tokenbudget.kernels.attention.torch_ref import TorchRefBackend
 from tokenbudget.kernels.kv_write import write_kv_reference
+
+from benches.gpu_check_attention import Pool, run_batch
 
 LAYOUTS = [(32, 8, 128), (9, 3, 64), (8, 2, 64), (8, 1, 64), (16, 2, 64)]  # 8B, default, ...
 

@@ -15,13 +15,14 @@ import flashinfer_standin as fis
 import msgspec
 import pytest
 import torch
-from test_batch_invariance import random_state_dict
 
 from tokenbudget.engine.model import build_model
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.worker.cuda_graphs import CUDAGraphRunner
 from tokenbudget.kernels.attention.base import AttentionSpec
 from tokenbudget.kernels.attention.flashinfer_backend import FlashInferBackend
+
+from test_batch_invariance import random_state_dict
 
 CFG = ModelConfig(vocab_size=97, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,

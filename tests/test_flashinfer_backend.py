@@ -131,7 +131,7 @@ def test_deterministic_decode_and_verify_share_one_plan():
     for det in (False, True):
         be = _standin(deterministic=det)
         (verify, _), _ = _attend(be, [5], [300], seed=6, pad=0)
-        qo, kv, tables, slots, cache, q, k, v = _batch([5], [300], 6, "cpu", SHAPE_8B, 0)
+        _, _, tables, slots, cache, q, k, v = _batch([5], [300], 6, "cpu", SHAPE_8B, 0)
         decode, _ = _run(be, [0, 1], [296], tables, slots[:1], cache, q[:1], k[:1], v[:1])
         assert torch.equal(decode[0], verify[0])
         tiles = {p.cta_tile_q for w in be._uniform.values() for p in w.plans}

@@ -127,8 +127,9 @@ def test_no_success_unless_flashinfer_ran(tmp_path, monkeypatch):
 
 
 def backend_vs_reference_on(backend, spec):
-    from benches.gpu_check_attention import Pool, run_batch
     from tokenbudget.kernels.attention.torch_ref import TorchRefBackend
+
+    from benches.gpu_check_attention import Pool, run_batch
     pool = Pool(spec, 16, "cpu", 0)
     reqs = [(3, 40, pool.request(40)), (1, 17, pool.request(17))]
     q, k, v = pool.rand(4, 4, 16), pool.rand(4, 2, 16), pool.rand(4, 2, 16)

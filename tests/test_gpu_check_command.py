@@ -50,7 +50,7 @@ def test_documented_gpu_command_runs_offline_from_a_fresh_tree(tmp_path):
     cmd = ["bash", "benches/gpu_check.sh", "--device", "cpu", "--out", str(out), "--no-pytest",
            "--attn-shape", "tiny", "--contexts", "40", "--ks", "1,3",
            "--sections", "backend_vs_ref,row_invariance"]
-    res = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["ok"] and set(report["sections"]) == {"backend_vs_ref", "row_invariance"}

@@ -235,7 +235,8 @@ class FlashInferBackend(AttentionBackend):
             sub_qo = list(range(0, len(reqs) * q_len + 1, q_len))
         pt = build_page_table(sub_qo, kv, tables, bs)
         wrapper = self.uniform_wrapper(q_len) if q_len else self._prefill
-        to_dev = lambda x: torch.tensor(x, dtype=torch.long).to(self.device, non_blocking=True)  # noqa: E731
+        def to_dev(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long).to(self.device, non_blocking=True)
         row_t = None if whole and not padded else to_dev(rows)
         return _Group(wrapper, q_len, pt, row_t, to_dev(dest) if padded else None)
 
