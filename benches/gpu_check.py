@@ -9,7 +9,7 @@ with its own status, time box and a JSON write after it (one failing section doe
 others; a killed run keeps what it finished):
 
 1. ``cuda_tests``: ``pytest -m cuda`` over the CUDA test files (FlashInfer, graphs, Triton); the
-   log goes to ``<out>/cuda_tests.log``; on ``--device cuda`` a skipped test is a failure;
+   log is teed into ``<out>/cuda_tests.log``; on ``--device cuda`` a skipped test is a failure;
 2. ``backend_vs_ref``: the selected attention backend vs torch_ref on mixed/decode/verify batches;
 3. ``row_invariance``: decode vs verify rows (k = 1, 3, 4, 8; contexts 100/1000/6000), alone
    vs in a mixed batch, bitwise, in default and deterministic modes;
@@ -39,6 +39,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -96,6 +97,31 @@ def pytest_status(returncode: int, summary: str, require_flashinfer: bool) -> st
     return "ok"
 
 
+def run_teed(cmd: list[str], log: str, timeout: float, env: dict) -> int | None:
+    """Run ``cmd``, its output line by line into ``log`` and onto our stdout (a device call shows
+    it; a killed run keeps it); None when it ran past ``timeout`` seconds (then it is killed)."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=env, text=True)
+
+        def pump():
+            for line in proc.stdout:
+                f.write(line)
+                f.flush()
+                sys.stdout.write(line)
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            reader.join(5)
+            return None
+        reader.join()
+    return proc.returncode
+
+
 def section_cuda_tests(args) -> dict:
     if not args.pytest:
         return {"status": "skipped (--no-pytest)"}
@@ -103,18 +129,14 @@ def section_cuda_tests(args) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TOKENBUDGET_ATTENTION_BACKEND"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "cuda", "-p", "no:cacheprovider",
            *args.cuda_test_files]
-    with open(log, "w") as f:  # the whole log, written as it runs: a killed run keeps it
-        try:
-            res = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                 timeout=args.pytest_timeout, check=False)
-        except subprocess.TimeoutExpired:
-            return {"status": f"timeout after {args.pytest_timeout} s", "log": log}
+    rc = run_teed(cmd, log, args.pytest_timeout, env)
+    if rc is None:
+        return {"status": f"timeout after {args.pytest_timeout:g} s", "log": log}
     with open(log) as f:
         out = f.read()
     tail = out.strip().splitlines()[-1:] or [""]
-    return {"status": pytest_status(res.returncode, tail[0], args.require_flashinfer),
-            "returncode": res.returncode, "summary": tail[0], "log": log,
-            "output_tail": out[-4000:]}
+    return {"status": pytest_status(rc, tail[0], args.require_flashinfer),
+            "returncode": rc, "summary": tail[0], "log": log, "output_tail": out[-4000:]}
 
 
 def _spec(args) -> AttentionSpec:
