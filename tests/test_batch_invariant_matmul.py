@@ -66,7 +66,8 @@ def _check_deterministic_model() -> None:
     # the same row at the same offset of its 16-row tile, in batches of 1..7 rows: the kernel's
     # shape never depends on M. (Moving a row to another offset of the tile is not checked here:
     # the interpreter's tl.dot is numpy's OpenBLAS sgemm, whose rows 6..15 of a 16-row GEMM are
-    # added up differently from rows 0..5 on this CPU; a GPU's MMA has no such offset.)
+    # added up differently from rows 0..5 on this CPU; on a GPU, _check_matmul's row 20 alone
+    # checks an offset change.)
     assert torch.equal(det.compute_logits(hidden[:1]), got[:1])
     for i in (3, 6):
         assert torch.equal(det.compute_logits(hidden[:i + 1])[i], got[i])
