@@ -304,7 +304,10 @@ def zero_int_workspaces(wrapper: Any) -> None:
 
 class GraphAttentionState:
     """A tensor-core decode wrapper in ``use_cuda_graph=True`` mode over fixed device buffers,
-    planned exactly like the eager uniform groups (``q_len_per_req=L``, no KV split).
+    planned like the eager uniform groups (``q_len_per_req=L``, no KV split; deterministic mode:
+    the backend's one ``L``). A step whose requests all have ``L`` rows is planned exactly like
+    eager; one with fewer rows somewhere runs ``L``'s tile, which the eager plan of its own
+    ``q_len`` may not (default mode only).
 
     Bucket: ``B = batch_size`` requests of ``L = q_len`` rows (``T = B * L``); request ``b``
     owns rows ``b*L .. b*L+L-1``. :meth:`prepare` takes a real batch of ``B' <= B`` requests
