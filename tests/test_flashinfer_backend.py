@@ -136,9 +136,12 @@ def test_deterministic_decode_and_verify_share_one_plan():
         assert torch.equal(decode[0], verify[0])
         tiles = {p.cta_tile_q for w in be._uniform.values() for p in w.plans}
         assert (len(tiles) == 1) is det, tiles
-        # a mixed batch (decode, two verifies of different k, a prefill chunk) plans one uniform group
-        _attend(be, [1, 3, 5, 40], [90, 60, 300, 40], seed=7, pad=0)
+        # a mixed batch (decode, two verifies of different k, a prefill chunk) plans one uniform
+        # group; its real rows get what the per-q_len plans give (the stand-in's math is per row)
+        (mixed, _), qo = _attend(be, [1, 3, 5, 40], [90, 60, 300, 40], seed=7, pad=2)
         assert (len(be._uniform) == 1) is det
+        (plain, _), _ = _attend(_standin(), [1, 3, 5, 40], [90, 60, 300, 40], seed=7, pad=2)
+        assert torch.equal(mixed, plain) and torch.count_nonzero(mixed[qo[-1]:]) == 0
 
 
 def test_graph_bucket_padding_ctas_read_zeroed_scheduler_entries(monkeypatch):
