@@ -98,8 +98,8 @@ class Bench:
 
     def __init__(self, args) -> None:
         from tokenbudget import LLM
+        from tokenbudget.api.spec_config import SpeculativeConfig
         from tokenbudget.engine.core.wiring import _build_speculator
-        from tokenbudget.spec.config import SpeculativeConfig
         from tokenbudget.spec.speculator import Speculator
 
         t0 = time.perf_counter()

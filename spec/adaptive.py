@@ -23,7 +23,8 @@ to more than the D largest, so this set is optimal among all assignments with to
 assignment has some D in 0..sum(caps), so scanning all D over the sorted marginals' prefix sums
 and keeping the best ratio finds the global optimum. Nothing is assumed about c or d (not even
 monotonicity) beyond positivity; ties in R pick the smallest D (less speculation). Cost is one
-sort of <= B*K numbers plus vectorised prefix sums: ~0.1 ms for B=256, K=8.
+sort of <= B*K numbers plus vectorised prefix sums (figures:
+benches/RESULTS.md, "Figures behind decisions in the source").
 
 k = 0 for everyone falls out when no D > 0 raises R: large batches on a compute-bound target
 (c grows ~linearly in T, so an extra token costs about as much as the ~1 token each request

@@ -13,7 +13,7 @@ import itertools
 import pytest
 
 from tokenbudget import LLM, SamplingParams
-from tokenbudget.engine.api.async_llm import AsyncLLM
+from tokenbudget.engine.entrypoints.async_llm import AsyncLLM
 
 from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, default_target  # noqa: E402
 

@@ -9,12 +9,13 @@ import sys
 import tomllib
 from pathlib import Path
 
-import flashinfer_standin
 import pytest
 import torch
 
 from tokenbudget.kernels.attention.base import AttentionSpec
 from tokenbudget.kernels.attention.selector import select_attention_backend
+
+import flashinfer_standin
 
 BF16 = AttentionSpec(4, 2, 128, 16, torch.bfloat16)
 

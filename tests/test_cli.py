@@ -12,9 +12,9 @@ import json
 import msgspec
 import pytest
 
-import tokenbudget.engine.api.llm as llm_module
-from tokenbudget.engine.api.outputs import RequestOutput
-from tokenbudget.engine.cli.main import main
+import tokenbudget.engine.entrypoints.llm as llm_module
+from tokenbudget.api.outputs import RequestOutput
+from tokenbudget.cli.main import main
 
 from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, default_target  # noqa: E402
 

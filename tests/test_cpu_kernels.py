@@ -22,7 +22,7 @@ from tokenbudget.engine.model.quant import QuantLinear, quantize_model
 from tokenbudget.kernels.cpu import quant_gemm as cg
 from tokenbudget.kernels.cpu.native import library
 
-import test_batch_invariance as tbi
+import batch_schedules as tbi
 
 pytestmark = pytest.mark.skipif(library() is None, reason="C kernels unavailable (no AVX-512 VNNI or C compiler)")
 

@@ -14,9 +14,9 @@ import msgspec
 import pytest
 
 from tokenbudget import LLM, Logprob, SamplingParams
-from tokenbudget.engine.api.config import EngineConfig
-from tokenbudget.engine.api.llm_engine import LLMEngine
-from tokenbudget.engine.api.outputs import GenerateRequest, RequestOutput
+from tokenbudget.api.config import EngineConfig
+from tokenbudget.api.outputs import GenerateRequest, RequestOutput
+from tokenbudget.engine.entrypoints.llm_engine import LLMEngine
 
 from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, default_target  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Faults inside a step, on the real default model: the EngineCore's promises end to end.
 
-A fault injected into the runner or the proposer (``scheduler.testing.faults``) must be invisible
+A fault injected into the runner or the proposer (``testing.faults``) must be invisible
 when transient, end only the request it is tied to (``finish_reason="error"``), leave the engine
 usable after Ctrl-C, and kill the engine cleanly when it is engine-wide. In every case the other
 requests' greedy tokens are exactly those of a fault-free run, and no KV block stays held.
@@ -13,8 +13,8 @@ import asyncio
 import pytest
 
 from tokenbudget import LLM, EngineDeadError, RequestError, RequestOutputKind, SamplingParams
-from tokenbudget.engine.api.async_llm import AsyncLLM
-from tokenbudget.scheduler.testing.faults import FaultInjectingProposer, FaultInjectingRunner, FaultPlan
+from tokenbudget.engine.entrypoints.async_llm import AsyncLLM
+from tokenbudget.testing.faults import FaultInjectingProposer, FaultInjectingRunner, FaultPlan
 
 from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, default_target  # noqa: E402
 

@@ -11,7 +11,7 @@ import random
 
 import torch
 
-from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.api.sampling_params import SamplingParams
 
 from benches import gpu_spec
 from benches.synthetic_model import (

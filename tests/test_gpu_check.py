@@ -7,12 +7,12 @@ import json
 import os
 import time
 
-import flashinfer_standin as fis
 import torch
 
 from tokenbudget.kernels.attention.base import AttentionSpec
 from tokenbudget.kernels.attention.flashinfer_backend import FlashInferBackend
 
+import flashinfer_standin as fis
 from benches import gpu_check
 from benches.gpu_check_engine import graph_vs_eager_status, memory_refusal
 

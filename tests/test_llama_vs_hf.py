@@ -21,7 +21,7 @@ from tokenbudget.engine.worker.model_runner import ModelRunner  # noqa: E402
 from tokenbudget.scheduler.output import SchedulerOutput  # noqa: E402
 from tokenbudget.scheduler.request import Request  # noqa: E402
 
-from model_helpers import scheduled
+from model_helpers import scheduled  # noqa: E402
 
 BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

@@ -7,9 +7,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenbudget.scheduler.testing.fake_model import FakeModelSpec
-from tokenbudget.scheduler.testing.harness import Harness
-from tokenbudget.scheduler.testing.strategies import scheduler_configs
+from tokenbudget.testing.fake_model import FakeModelSpec
+from tokenbudget.testing.harness import Harness
+from tokenbudget.testing.strategies import scheduler_configs
 
 SPEC = FakeModelSpec()
 PREFIXES = [[], [5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57], [7] * 9 + [3] * 5]

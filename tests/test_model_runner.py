@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.api.sampling_params import SamplingParams
 from tokenbudget.engine.model import build_model
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.worker.kv_cache_alloc import (

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_batch_invariance import CFG, random_state_dict
 
-from tokenbudget.engine.api.config import EngineConfig
-from tokenbudget.engine.api.llm import LLM
-from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.api.config import EngineConfig
+from tokenbudget.api.sampling_params import SamplingParams
+from tokenbudget.engine.entrypoints.llm import LLM
 from tokenbudget.engine.model.layers import Linear
 from tokenbudget.engine.model.quant import QuantLinear, quantize_model
 
+from batch_schedules import CFG, random_state_dict
 from engine_fixtures import ENGINE_OPTS, default_loaded
 
 

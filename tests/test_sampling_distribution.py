@@ -20,7 +20,7 @@ from scipy.stats import chisquare
 
 from tokenbudget import LLM, SamplingParams
 
-from test_draft_model import make_tiny_llama, make_truncated_copy  # noqa: E402
+from tiny_llama import make_tiny_llama, make_truncated_copy  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tokenbudget.scheduler.config import SchedulerConfig
-from tokenbudget.scheduler.testing.fake_model import FakeModelSpec
-from tokenbudget.scheduler.testing.harness import Harness
+from tokenbudget.testing.fake_model import FakeModelSpec
+from tokenbudget.testing.harness import Harness
 
 SPEC = FakeModelSpec()
 

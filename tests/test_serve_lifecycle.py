@@ -132,7 +132,7 @@ def test_sigterm_drains_and_exits_zero(tmp_path):
     default_loaded()  # skips when the default model cannot be had
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "tokenbudget.engine.cli.main", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "tokenbudget.cli.main", "serve", "--port", str(port),
                              "--no-spec", "--num-threads", "1", "--max-model-len", "256", "--grace-period", "30",
                              "--kv-cache-memory-bytes", str(32 << 20)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTok
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from tokenbudget.engine.loader.gguf_tokenizer import build_gguf_tokenizer
+from tokenbudget.engine.text.gguf_tokenizer import build_gguf_tokenizer
 from tokenbudget.engine.text.tokenizer import Tokenizer
 
 from model_helpers import smollm2_gguf_tokenizer  # noqa: E402

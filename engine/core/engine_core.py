@@ -51,12 +51,12 @@ import logging
 import time
 from collections.abc import Collection
 
-from tokenbudget.engine.api.errors import EngineDeadError
-from tokenbudget.engine.api.outputs import RequestOutput
+from tokenbudget.api.errors import EngineDeadError
+from tokenbudget.api.outputs import RequestOutput
 from tokenbudget.engine.core.interrupts import deferred_sigint
 from tokenbudget.engine.core.output_processor import OutputProcessor
-from tokenbudget.engine.core.stats import EngineStats, ThroughputMeter, collect_stats
 from tokenbudget.engine.core.parallel_sampling import ParentRequest
+from tokenbudget.engine.core.stats import EngineStats, ThroughputMeter, collect_stats
 from tokenbudget.engine.structured.manager import StructuredOutputs
 from tokenbudget.scheduler.output import EngineCoreOutput, SchedulerOutput
 from tokenbudget.scheduler.request import Request, RequestStatus
@@ -192,10 +192,10 @@ class EngineCore:
                 scheduler.rollback_step(dirty)
             raise
         with deferred_sigint():
-            return self._commit(sched, plan, step_outputs)
+            return self._commit(sched, plan, step_outputs, result.step_seconds)
 
     def _commit(self, sched: SchedulerOutput, plan: list[EngineCoreOutput],
-                step_outputs: list[RequestOutput]) -> list[RequestOutput]:
+                step_outputs: list[RequestOutput], step_seconds: float | None) -> list[RequestOutput]:
         """Commit the step; its outputs with children's gathered into their parents'."""
         try:
             finished = self.scheduler.apply_update(sched, plan)
@@ -204,9 +204,7 @@ class EngineCore:
             self.num_generated_tokens += generated
             self.throughput.add(generated)
             self.structured.commit(plan)
-            last = getattr(self.runner, "last_step", None)
-            self.speculator.commit(plan, sched.total_num_scheduled_tokens, last[1] if last else None,
-                                   len(sched.scheduled))
+            self.speculator.commit(plan, sched.total_num_scheduled_tokens, step_seconds, len(sched.scheduled))
             for request in finished:
                 self._release(request)
             return self.outputs.gather(step_outputs)

@@ -6,11 +6,12 @@ through), so ``ModelRunner(model=CUDAGraphRunner(...), ...)`` needs no other cha
 
 Buckets: every ``(B, L)`` with ``B`` in ``batch_sizes`` and ``L = 1 + k`` for ``k`` in
 ``draft_lens`` up to ``UNIFORM_MAX_Q_LEN`` (a longer verify runs eagerly); in deterministic mode
-every ``L`` is the backend's one planned length (``planned_q_len``), as in its eager groups. All graphs are captured at start-up (:meth:`capture`), largest first, sharing one
-memory pool. A step of ``b`` requests with ``1 <= q_len <= L`` rows each runs in the graph of the
-smallest captured ``L >= max q_len`` and the smallest ``B >= b``: draft counts that vary from
-request to request (n-gram, suffix drafts) are padded to the bucket, not sent to the eager path.
-Anything else (prefill chunks longer than every L, too many requests) runs eagerly, unchanged.
+every ``L`` is the backend's one planned length (``planned_q_len``), as in its eager groups. All
+graphs are captured at start-up (:meth:`capture`), largest first, sharing one memory pool. A step
+of ``b`` requests with ``1 <= q_len <= L`` rows each runs in the graph of the smallest captured
+``L >= max q_len`` and the smallest ``B >= b``: draft counts that vary from request to request
+(n-gram, suffix drafts) are padded to the bucket, not sent to the eager path. Anything else
+(prefill chunks longer than every L, too many requests) runs eagerly, unchanged.
 
 Replay: FlashInfer's ``plan()`` is host work that cannot be captured. Each bucket owns a
 :class:`~kernels.attention.flashinfer_backend.GraphAttentionState` whose wrapper was built with

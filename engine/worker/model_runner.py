@@ -55,8 +55,6 @@ class ModelRunner:
         self.attn_backend = attn_backend
         # engine.structured.manager.StructuredOutputs: grammar masks on the sampling rows.
         self.structured = structured
-        # (tokens, seconds) of the last step, for the draft-length controller's cost model.
-        self.last_step: tuple[int, float] | None = None
 
     # ---- one step ------------------------------------------------------------------------
     def prepare_inputs(self, sched: SchedulerOutput
@@ -105,8 +103,7 @@ class ModelRunner:
                     logprobs[i] = lp if lp is not None else []
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        self.last_step = (sched.total_num_scheduled_tokens, time.perf_counter() - start)
-        return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
+        return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs, time.perf_counter() - start)
 
     @staticmethod
     def _sampling_rows(sched: SchedulerOutput, num_samples: list[int]):

@@ -28,7 +28,8 @@ from tokenbudget.spec.cost_model import StepCostModel, default_grid, measure_ste
 def _dummy_step(num_tokens: int, block_size: int) -> SchedulerOutput:
     tokens = [0] * num_tokens
     blocks = list(range(-(-num_tokens // block_size)))
-    sr = ScheduledRequest("__cost_probe__", 0, tokens, tokens[1:], blocks, True, True)
+    sr = ScheduledRequest(request_id="__cost_probe__", num_computed_tokens=0, token_ids=tokens,
+                          spec_token_ids=tokens[1:], block_ids=blocks, is_new=True, needs_sample=True)
     return SchedulerOutput([sr], num_tokens)
 
 
@@ -38,7 +39,8 @@ def _dummy_decode_step(num_requests: int, block_size: int) -> SchedulerOutput:
     ctx = max(block_size - 1, 0)
     srs = []
     for i in range(num_requests):
-        srs.append(ScheduledRequest(f"__cost_probe_{i}__", ctx, [0], [], [i], True, True))
+        srs.append(ScheduledRequest(request_id=f"__cost_probe_{i}__", num_computed_tokens=ctx, token_ids=[0],
+                                    spec_token_ids=[], block_ids=[i], is_new=True, needs_sample=True))
     return SchedulerOutput(srs, num_requests)
 
 

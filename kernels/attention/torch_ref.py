@@ -21,8 +21,8 @@ invariant:
   the rows, position-major: M = round_up(G * q_len, 4). The one assumption left: a 4-row GEMM
   gives a row the same bits at any of its 4 offsets (true of MKL's optimized and portable
   paths, ``tests/test_attention_row_blocks.py``). Cost: a verify or a prefill chunk issues many
-  small GEMMs (``benches/torch_ref_row_blocks.py``: prefill attention ~2-3x, decode unchanged;
-  the quantized default model's one-call C forward does not use this backend);
+  small GEMMs; a decode is one block as before (``benches/torch_ref_row_blocks.py``, figures in
+  benches/RESULTS.md; the quantized default model's C forward does not use this backend);
 * keys are padded to ``np``, a multiple of 256, and masked to -inf (MKL's narrow-N kernels,
   N < 8, differ; a score element is otherwise the same dot product whatever ``np``);
 * softmax weights are ``exp(s - rowmax)`` (max is order independent; masked weights are exact
@@ -39,14 +39,13 @@ Cost (the CPU decode path runs this 30 times a token on the default model): ever
 not depend on the layer is built once per step in :meth:`build_metadata` -- the flat cache rows
 of each request's keys, the additive causal mask (0 / -inf), zero-padded fp32 work buffers laid
 out ``[Hk, np, D]`` / ``[Hk, np, D + 1]`` with the ones column already set -- so a layer only
-gathers its keys and values into the buffers (the padding stays zero), scores with one
-``baddbmm`` (scale and mask folded in), and does max / exp / one P @ [V | 1] GEMM per key tile.
+gathers its keys and values into the buffers (the padding stays zero), scores in 4-row GEMMs
+(then scale and mask, elementwise), and does max / exp / the P @ [V | 1] GEMMs per key tile.
 The G query heads of a kv head share its GEMM rows position-major (``M = round_up(G * q_len,
-4)``), so a decode scores 4 rows, not 4 G. Measured on the default model's shape (9 heads, 3 kv
-heads), one decode row at 170 keys, 1 thread: 247 us per layer before, 110 us after.
-Tried and dropped: attending all one-token requests of a step in one batched GEMM set (bitwise
-the same rows, but no faster at 64 x 200 keys: the gather of the context dominates, 11 ms either
-way).
+4)``), so a decode scores 4 rows, not 4 G. Tried and dropped: attending all one-token requests
+of a step in one batched GEMM set (bitwise the same rows, but no faster: the gather of the
+context dominates). Figures:
+benches/RESULTS.md, "Figures behind decisions in the source".
 """
 
 from __future__ import annotations
