@@ -74,10 +74,10 @@ CUDA_TEST_FILES = ["tests/test_flashinfer_backend.py", "tests/test_cuda_graphs.p
 DEFAULTS = {
     "cuda": {"models": "smollm2,8b", "dtype": "bfloat16", "verify_batches": "1,8,32", "max_k": 8,
              "context": 1000, "iters": 10, "batch": 4, "prompt_len": 32, "max_tokens": 64,
-             "kv_mib": 8192},
-    "cpu": {"models": "tiny,smollm2", "dtype": "float32", "verify_batches": "1,4", "max_k": 4,
-            "context": 256, "iters": 3, "batch": 2, "prompt_len": 16, "max_tokens": 24,
-            "kv_mib": 256},
+             "kv_mib": 8192, "section_timeout": 240},
+    "cpu": {"models": "tiny,smollm2", "dtype": "float32", "verify_batches": "1,2", "max_k": 4,
+            "context": 128, "iters": 3, "batch": 2, "prompt_len": 16, "max_tokens": 24,
+            "kv_mib": 256, "section_timeout": 600},
 }
 
 
@@ -246,7 +246,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-pytest", dest="pytest", action="store_false")
     p.add_argument("--cuda-test-files", default=",".join(CUDA_TEST_FILES))
     p.add_argument("--pytest-timeout", type=float, default=300, help="seconds for the pytest child")
-    p.add_argument("--section-timeout", type=int, default=240, help="seconds per other section (0: none)")
+    p.add_argument("--section-timeout", type=int,
+                   help="seconds per section but cuda_tests (0: none); cuda: 240, cpu: 600")
     p.add_argument("--require-flashinfer", action=argparse.BooleanOptionalAction, default=None,
                    help="fail sections where FlashInfer did not run (default: on for --device cuda)")
     p.add_argument("--sections", default=",".join(SECTIONS))
