@@ -43,6 +43,9 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 def cluster():
     default_loaded()  # skips when the default model cannot be had
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage report leaves the machine
+    # Ray's single-node mode: every Ray process (GCS, raylets, workers) talks over 127.0.0.1 instead
+    # of the machine's interface address (ray._private.services.get_node_ip_address).
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield
