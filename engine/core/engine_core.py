@@ -61,6 +61,7 @@ from tokenbudget.engine.structured.manager import StructuredOutputs
 from tokenbudget.scheduler.output import EngineCoreOutput, SchedulerOutput
 from tokenbudget.scheduler.request import Request, RequestStatus
 from tokenbudget.scheduler.scheduler import Scheduler
+from tokenbudget.spec.cost_model import step_shape
 from tokenbudget.spec.speculator import Speculator
 
 logger = logging.getLogger("tokenbudget")
@@ -87,6 +88,7 @@ class EngineCore:
         self.num_generated_tokens = 0  # output tokens committed
         self.throughput = ThroughputMeter()
         self._participants: set[str] = set()
+        self._step_clock = 0.0  # perf_counter() when the current attempt began
 
     # ------------------------------------------------------------------ requests (between steps)
     def add_request(self, request: Request, prompt: str | None = None, arrival_time: float | None = None) -> None:
@@ -172,6 +174,7 @@ class EngineCore:
         dirty = False
         scheduler.begin_step()
         step_start = time.monotonic()
+        self._step_clock = time.perf_counter()
         try:
             drafts = speculator.propose(scheduler, only)
             with deferred_sigint():
@@ -204,14 +207,19 @@ class EngineCore:
             self.num_generated_tokens += generated
             self.throughput.add(generated)
             self.structured.commit(plan)
-            last = getattr(self.runner, "last_step", None)
-            self.speculator.commit(plan, sched.total_num_scheduled_tokens, last[1] if last else None,
-                                   len(sched.scheduled))
+            self.speculator.commit(plan, step_shape(sched), self._step_seconds())
             for request in finished:
                 self._release(request)
             return self.outputs.gather(step_outputs)
         except BaseException as exc:  # a bug: the state may be half committed
             self._die(exc)
+
+    def _step_seconds(self) -> float:
+        """Wall seconds of this attempt so far (drafting, scheduling, the runner, outputs): the
+        time the draft-length controller's cost model learns from. The whole step, not the
+        runner's forward alone: drafting, verification bookkeeping and output processing are
+        what a user waits for too, and they grow with the drafts."""
+        return time.perf_counter() - self._step_clock
 
     # ------------------------------------------------------------------ faults
     def _try(self, only: Collection[str] | None) -> list[RequestOutput]:
