@@ -57,7 +57,7 @@ import numpy as np
 
 from tokenbudget.scheduler.request import Request
 from tokenbudget.spec.acceptance import AcceptanceEstimator
-from tokenbudget.spec.cost_model import StepCostModel, StepShape, request_attention
+from tokenbudget.spec.cost_model import StepCostModel, StepShape
 
 CurveFn = Callable[[np.ndarray], np.ndarray]
 _EMPTY = StepShape(0, 0, 0, 0.0)
@@ -93,7 +93,7 @@ def optimal_draft_lengths(accept_probs: np.ndarray, caps: np.ndarray, curve: Cur
     """
     a = np.asarray(accept_probs, dtype=np.float64)
     b, kmax = a.shape
-    caps = np.clip(np.asarray(caps, dtype=np.int64), 0, kmax)
+    caps = np.minimum(np.maximum(np.asarray(caps, dtype=np.int64), 0), kmax)
     marg = np.cumprod(a, axis=1)
     valid = np.arange(kmax)[None, :] < caps[:, None]
     rows = np.nonzero(valid)[0]
@@ -164,7 +164,7 @@ class AdaptiveSpecController:
             if len(caps) != len(requests):
                 raise ValueError(f"caps has {len(caps)} entries for {len(requests)} requests")
             out = np.minimum(out, np.asarray(caps, dtype=np.int64))
-        return np.clip(out, 0, self.max_k)
+        return np.minimum(np.maximum(out, 0), self.max_k)
 
     def step_costs(self, requests: Sequence[Request], base: StepShape = _EMPTY
                    ) -> tuple[CurveFn, np.ndarray]:
@@ -175,8 +175,9 @@ class AdaptiveSpecController:
         ctx = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.float64,
                           count=len(requests))
         b = len(requests)
+        decode_keys = float(ctx.sum() + b) / 1000.0          # request_attention(ctx, 1) each
         zero = StepShape(base.requests + b, base.tokens + b, base.logit_rows + b,
-                         base.attention + float(sum(request_attention(int(c), 1) for c in ctx)))
+                         base.attention + decode_keys)
         model = self.cost_model
 
         def curve(d: np.ndarray) -> np.ndarray:
@@ -202,6 +203,10 @@ class AdaptiveSpecController:
             self.last_plan = Plan([], 0.0, 0.0, 0.0)
             return []
         cap = self.caps_for(requests, caps)
+        if not cap.any():                  # nothing to draft (e.g. no n-gram match): no choice
+            self.last_plan = Plan([0] * b, float(b), 0.0, 0.0)
+            self.k_histogram[0] = self.k_histogram.get(0, 0) + b
+            return self.last_plan.k
         slots = self.acceptance.slots([r.request_id for r in requests], self.step)
         probs = self.acceptance.probs(slots)
         curve, row_costs = self.step_costs(requests, base)
@@ -209,8 +214,8 @@ class AdaptiveSpecController:
         n_probes, num, den = self._add_probes(k, cap, slots, num, den, curve, row_costs)
         self.last_plan = Plan(k.tolist(), num, den, num / den, n_probes)
         hist = self.k_histogram
-        for kv, cnt in zip(*np.unique(k, return_counts=True)):
-            hist[int(kv)] = hist.get(int(kv), 0) + int(cnt)
+        for kv in self.last_plan.k:
+            hist[kv] = hist.get(kv, 0) + 1
         return self.last_plan.k
 
     def _add_probes(self, k: np.ndarray, cap: np.ndarray, slots: np.ndarray, num: float,

@@ -70,7 +70,9 @@ class StepShape:
     attention: float
 
     def features(self) -> np.ndarray:
-        return features(self.requests, self.tokens, self.logit_rows, self.attention)
+        t = float(self.tokens)
+        return np.array([1.0, float(self.requests), t, float(self.logit_rows), float(self.attention)]
+                        + [t - k if t > k else 0.0 for k in HINGE_KNOTS])
 
 
 def features(requests, tokens, logit_rows, attention) -> np.ndarray:
@@ -140,7 +142,8 @@ class StepCostModel:
     """
 
     def __init__(self, prior: Iterable[tuple[StepShape, float]], *, forget: float = 0.99,
-                 prior_weight: float = 2.0, max_update_factor: float = 3.0) -> None:
+                 prior_weight: float = 2.0, max_update_factor: float = 3.0,
+                 refit_every: int = 8) -> None:
         prior = list(prior)
         if not prior:
             raise ValueError("need at least one (StepShape, seconds) prior measurement")
@@ -150,8 +153,11 @@ class StepCostModel:
             raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
         if max_update_factor <= 1.0:
             raise ValueError(f"max_update_factor must be > 1, got {max_update_factor}")
+        if refit_every < 1:
+            raise ValueError(f"refit_every must be >= 1, got {refit_every}")
         self.forget = float(forget)
         self.max_update_factor = float(max_update_factor)
+        self.refit_every = int(refit_every)
         nf = len(FEATURES)
         a, b = np.zeros((nf, nf)), np.zeros(nf)
         rel = []
@@ -174,6 +180,7 @@ class StepCostModel:
         self._b = np.zeros(nf)
         self.num_updates = 0
         self._w: np.ndarray | None = None
+        self._stale = 0   # updates since the last refit
 
     @staticmethod
     def _fold_into(a: np.ndarray, b: np.ndarray, phi: np.ndarray, seconds: float, weight: float) -> None:
@@ -184,14 +191,20 @@ class StepCostModel:
     # ---- the fit ----
     @property
     def weights(self) -> np.ndarray:
-        """Current w (seconds per unit of each feature in ``FEATURES``)."""
-        if self._w is None:
-            p = self._prior_precision
-            a = self._a + np.diag(p)
-            ridge = _RIDGE * max(float(np.max(np.diag(a))), 1e-30)
-            self._w = nonnegative_least_squares(a + ridge * np.eye(len(a)),
-                                                self._b + p * self.prior_weights)
+        """Current w (seconds per unit of each feature in ``FEATURES``). Refitted after every
+        ``refit_every`` updates (a fit is ~0.1 ms; the weights move slowly), at once on demand
+        through ``refit``."""
+        if self._w is None or self._stale >= self.refit_every:
+            self.refit()
         return self._w
+
+    def refit(self) -> None:
+        """Solve for w now: online evidence + the Gaussian prior around ``prior_weights``."""
+        self._stale = 0
+        p = self._prior_precision
+        a = self._a + np.diag(p)
+        ridge = _RIDGE * max(float(np.max(np.diag(a))), 1e-30)
+        self._w = nonnegative_least_squares(a + ridge * np.eye(len(a)), self._b + p * self.prior_weights)
 
     def coefficients(self) -> dict[str, float]:
         return {name: float(v) for name, v in zip(FEATURES, self.weights)}
@@ -207,8 +220,14 @@ class StepCostModel:
     def token_curve(self, base: StepShape, extra_rows: np.ndarray) -> np.ndarray:
         """Cost of ``base`` plus ``extra_rows`` decode/verify rows of *no* attention cost (the
         per-row part that depends only on the row count; the attention part is per request)."""
+        w = self.weights
         d = np.asarray(extra_rows, dtype=np.float64)
-        return self.cost_of(base.requests, base.tokens + d, base.logit_rows + d, base.attention)
+        t = base.tokens + d
+        y = float(base.features() @ w) + (w[2] + w[3]) * d
+        for i, k in enumerate(HINGE_KNOTS):
+            if w[5 + i] > 0:
+                y = y + w[5 + i] * (np.maximum(t - k, 0.0) - max(base.tokens - k, 0))
+        return np.maximum(y, _MIN_COST)
 
     @property
     def attention_weight(self) -> float:
@@ -230,14 +249,14 @@ class StepCostModel:
             self._b *= self.forget
         self._fold_into(self._a, self._b, shape.features(), s, 1.0)
         self.num_updates += 1
-        self._w = None
+        self._stale += 1
 
     # ---- transactions (the controller snapshots around a step) ----
     def snapshot(self) -> tuple:
-        return (self._a.copy(), self._b.copy(), self.num_updates, self._w)
+        return (self._a.copy(), self._b.copy(), self.num_updates, self._w, self._stale)
 
     def restore(self, saved: tuple) -> None:
-        self._a, self._b, self.num_updates, self._w = saved
+        self._a, self._b, self.num_updates, self._w, self._stale = saved
 
     def __repr__(self) -> str:
         co = ", ".join(f"{k}={v:.3g}" for k, v in self.coefficients().items() if v > 0)

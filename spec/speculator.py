@@ -22,10 +22,10 @@ from collections.abc import Collection
 from typing import Any
 
 from tokenbudget.scheduler.drafts import DraftBatch, draft_limit
-from tokenbudget.scheduler.output import EngineCoreOutput
+from tokenbudget.scheduler.output import EngineCoreOutput, SchedulerOutput
 from tokenbudget.scheduler.request import Request
 from tokenbudget.spec.config import SpeculativeConfig
-from tokenbudget.spec.cost_model import StepShape, request_attention
+from tokenbudget.spec.cost_model import StepShape, request_attention, step_shape
 from tokenbudget.spec.metrics import SpecDecodingStats
 
 
@@ -88,10 +88,10 @@ class Speculator:
             self.controller.restore(self._saved_controller)
         self._saved_controller = None
 
-    def commit(self, plan: list[EngineCoreOutput], shape: StepShape | None = None,
+    def commit(self, plan: list[EngineCoreOutput], sched: SchedulerOutput | None = None,
                step_seconds: float | None = None) -> None:
-        """The step committed: record each request's verify; the step's ``shape`` and measured
-        ``step_seconds`` (when known) teach the controller's cost model."""
+        """The step committed: record each request's verify; the step (``sched``) and its
+        measured ``step_seconds`` (when known) teach the controller's cost model."""
         if self.proposer is None:
             return
         self.proposer.commit()
@@ -102,8 +102,8 @@ class Speculator:
                 stats.observe(entry.num_draft_tokens, entry.num_accepted_tokens)
                 if controller is not None and entry.num_draft_tokens:
                     controller.observe(entry.request_id, entry.num_draft_tokens, entry.num_accepted_tokens)
-        if controller is not None and step_seconds is not None and shape is not None:
-            controller.observe_step(shape, step_seconds)
+        if controller is not None and step_seconds is not None and sched is not None:
+            controller.observe_step(step_shape(sched), step_seconds)
 
     def on_finished(self, request: Request) -> None:
         if self.proposer is None:

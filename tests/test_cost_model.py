@@ -155,6 +155,7 @@ def test_snapshot_restore():
     saved = m.snapshot()
     before = m.cost(s)
     m.update(s, 2 * before)
+    m.refit()
     assert m.cost(s) != before
     m.restore(saved)
     assert m.cost(s) == before and m.num_updates == 0

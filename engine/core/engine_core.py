@@ -61,7 +61,6 @@ from tokenbudget.engine.structured.manager import StructuredOutputs
 from tokenbudget.scheduler.output import EngineCoreOutput, SchedulerOutput
 from tokenbudget.scheduler.request import Request, RequestStatus
 from tokenbudget.scheduler.scheduler import Scheduler
-from tokenbudget.spec.cost_model import step_shape
 from tokenbudget.spec.speculator import Speculator
 
 logger = logging.getLogger("tokenbudget")
@@ -207,7 +206,7 @@ class EngineCore:
             self.num_generated_tokens += generated
             self.throughput.add(generated)
             self.structured.commit(plan)
-            self.speculator.commit(plan, step_shape(sched), self._step_seconds())
+            self.speculator.commit(plan, sched, self._step_seconds())
             for request in finished:
                 self._release(request)
             return self.outputs.gather(step_outputs)
