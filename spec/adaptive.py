@@ -134,7 +134,7 @@ class AdaptiveSpecController:
 
     def __init__(self, max_k: int, cost_model: StepCostModel, *, prior_alpha: float = 1.0,
                  prior_beta: float = 1.0, prior_strength: float = 2.0, decay: float = 0.95,
-                 global_decay: float = 0.99, probe_interval: int = 16) -> None:
+                 global_decay: float = 0.99, probe_interval: int = 8) -> None:
         if probe_interval < 0:
             raise ValueError(f"probe_interval must be >= 0, got {probe_interval}")
         self.max_k = int(max_k)
@@ -230,11 +230,12 @@ class AdaptiveSpecController:
             return 0, num, den
         cand = cand[np.argsort(-idle[cand], kind="stable")]
         p0 = float(self.acceptance.global_probs()[0])
+        hope = self.acceptance.first_position_upper()   # decide optimistically, report the mean
         d0 = int(k.sum())
         m = np.arange(len(cand) + 1)
         lin = den - float(curve(np.array([d0]))[0])
         dens = curve(d0 + m) + lin + np.concatenate(([0.0], np.cumsum(row_costs[cand, 0])))
-        ratio = (num + p0 * m) / dens
+        ratio = (num + hope * m) / dens
         n = int(np.argmax(ratio))
         if n:
             k[cand[:n]] = 1
