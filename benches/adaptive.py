@@ -4,7 +4,9 @@ Cells: workload (code edit, summaries, QA over a passage, open chat, math) x bat
 threads x kernel path (our C kernels, or torch's with ``TOKENBUDGET_NATIVE=0``). In each cell the
 configurations (plain, ngram k = 2, 4, 8, ngram auto) run the same B prompts submitted together
 (``LLMEngine.add_request`` then ``step()`` until done), greedy, EOS honoured, prefix caching off
-(so every configuration pays the same prefill), one run each, in an order rotated per cell.
+(so every configuration pays the same prefill), one run each, in an order rotated per cell; below
+batch 4 a run is 4 // B such batches of distinct prompts back to back (one prompt is too short a
+run to time on a shared machine).
 tok/s = generated tokens / wall seconds of the run; "= plain" counts outputs equal to plain's.
 
 One engine per (threads, kernels) process, one ``Speculator`` per configuration swapped in between
@@ -95,7 +97,10 @@ def worker(args) -> dict:
     rot = 0
     for workload in args.workloads:
         for b in args.batch_sizes:
-            ids = [chat_token_ids(tok, t, args.max_prompt_tokens) for t in prompt_texts(workload, b)]
+            # batches below 4 run 4 // B batches of distinct prompts back to back: a one-prompt,
+            # sub-second run is too short to time on a shared machine
+            groups = max(1, 4 // b)
+            ids = [chat_token_ids(tok, t, args.max_prompt_tokens) for t in prompt_texts(workload, b * groups)]
             labels = list(cfgs)
             order = labels[rot % len(labels):] + labels[:rot % len(labels)]
             rot += 1
@@ -105,10 +110,11 @@ def worker(args) -> dict:
                 engine.core.speculator = specs[label]
                 specs[label].stats.reset()
                 h0 = dict(ctrl.k_histogram)
-                g = engine_generate(llm, ids, args.max_tokens)
+                gs = [engine_generate(llm, ids[i:i + b], args.max_tokens) for i in range(0, len(ids), b)]
                 st = specs[label].stats
-                runs[label] = {"tokens": g.num_tokens, "seconds": g.total_s, "tok_s": g.num_tokens / g.total_s,
-                               "token_ids": g.token_ids, "draft_tokens": st.num_draft_tokens,
+                n, sec = sum(g.num_tokens for g in gs), sum(g.total_s for g in gs)
+                runs[label] = {"tokens": n, "seconds": sec, "tok_s": n / sec,
+                               "token_ids": [t for g in gs for t in g.token_ids], "draft_tokens": st.num_draft_tokens,
                                "accepted": st.num_accepted_tokens}
                 if label == AUTO:
                     runs[label]["chosen_k"] = {int(k): v - h0.get(k, 0) for k, v in ctrl.k_histogram.items()
@@ -118,7 +124,7 @@ def worker(args) -> dict:
                 if label != PLAIN:
                     ids_l = r.pop("token_ids")
                     r["equal_plain"] = sum(a == p for a, p in zip(ids_l, plain_ids))
-            cell = {"workload": workload, "batch": b, "threads": args.threads, "kernels": args.kernels,
+            cell = {"workload": workload, "batch": b, "batches": groups, "threads": args.threads, "kernels": args.kernels,
                     "native_forward": native, "load_start": load0, "load_end": os.getloadavg()[0],
                     "prompt_tokens": sum(len(i) for i in ids), "runs": runs}
             cells.append(cell)
@@ -210,12 +216,13 @@ def table(cells: list[dict], labels: list[str]) -> tuple[list[str], list[list]]:
     rows = []
     for c in cells:
         r = c["runs"]
-        eq = min(v.get("equal_plain", c["batch"]) for v in r.values())
+        n = c["batch"] * c.get("batches", 1)
+        eq = min(v.get("equal_plain", n) for v in r.values())
         best, _ = _best_other(c)
         rows.append([c["kernels"], c["threads"], c["workload"], c["batch"]]
                     + [f"{r[lab]['tok_s']:.1f}" for lab in labels]
                     + [f"{r[AUTO]['tok_s'] / r[PLAIN]['tok_s']:.2f}", f"{_ratio(c):.3f} ({best})",
-                       f"{eq}/{c['batch']}", f"{c['load_start']:.1f}-{c['load_end']:.1f}"])
+                       f"{eq}/{n}", f"{c['load_start']:.1f}-{c['load_end']:.1f}"])
     return headers, rows
 
 
