@@ -76,7 +76,7 @@ def worker(args) -> dict:
 
     from tokenbudget import LLM
     from tokenbudget.engine.core.wiring import _build_speculator
-    from tokenbudget.spec.config import SpeculativeConfig
+    from tokenbudget.api.spec_config import SpeculativeConfig
     from tokenbudget.spec.speculator import Speculator
 
     llm = LLM(num_threads=args.threads, enable_prefix_caching=False,

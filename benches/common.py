@@ -18,8 +18,9 @@ import os
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -64,7 +65,7 @@ def engine_generate(llm, prompts: Sequence[list[int]], max_tokens: int, ignore_e
     ``ttft_s`` is when every request has its first generated token (for batch 1: time to
     first token).
     """
-    from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
+    from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
 
     engine = llm.engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos,
@@ -181,7 +182,7 @@ class StepProfile:
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     steps: int = 0
     step_total_s: float = 0.0
-    # runner.execute seconds keyed by the step's scheduled token count (runner.last_step)
+    # runner.execute seconds keyed by the step's scheduled token count
     execute_by_tokens: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
 
     def execute_ms_by_tokens(self, max_tokens: int = 32) -> dict[int, float]:

@@ -312,7 +312,8 @@ def markdown(res: dict) -> str:
     if b:
         text += (f"\nBatch throughput: {b['prompts']} prompts (cycled from the ones above), {b['max_new_tokens']} "
                  f"new tokens each, EOS ignored, all submitted at once; tokenbudget `max_num_seqs` = max batch "
-                 f"(default KV pool: {', '.join(f'{v / 2**30:.1f} GiB at {k}' for k, v in b['kv_pool_bytes'].items())}), "
+                 "(default KV pool: "
+                 f"{', '.join(f'{v / 2**30:.1f} GiB at {k}' for k, v in b['kv_pool_bytes'].items())}), "
                  "transformers in left-padded "
                  "batches of that size, llama.cpp one prompt after another (llama-cpp-python has no batched "
                  "generate). One run each.\n\n" + markdown_table(b["table"]["headers"], b["table"]["rows"]) + "\n\n")

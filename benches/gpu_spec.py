@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from tokenbudget.engine.api.sampling_params import SamplingParams  # noqa: E402
+from tokenbudget.api.sampling_params import SamplingParams  # noqa: E402
 from tokenbudget.scheduler.output import ScheduledRequest, SchedulerOutput  # noqa: E402
 
 from benches.common import machine_info, replace_section, write_json  # noqa: E402
@@ -83,8 +83,9 @@ def _verify_batch(eng, batch: int, k: int, context: int, rng: random.Random) -> 
         prompt = [rng.randrange(vocab) for _ in range(context + 1)]
         drafts = [rng.randrange(vocab) for _ in range(k)]
         sched.scheduled.append(ScheduledRequest(
-            f"verify-{i}", context, [prompt[-1]] + drafts, drafts, list(range(i * nb, (i + 1) * nb)),
-            False, True, params))
+            request_id=f"verify-{i}", num_computed_tokens=context, token_ids=[prompt[-1]] + drafts,
+            spec_token_ids=drafts, block_ids=list(range(i * nb, (i + 1) * nb)), is_new=False, needs_sample=True,
+            params=params))
     sched.total_num_scheduled_tokens = batch * (1 + k)
     return sched
 

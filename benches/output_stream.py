@@ -2,7 +2,7 @@
 
 A single request generates ``--tokens`` tokens (EOS ignored) through the real ``EngineCore``,
 scheduler, KV cache, ``OutputProcessor`` and incremental detokenizer (the default model's
-tokenizer); only the model is a stand-in (``scheduler.testing.FakeModelRunner``: next token = a
+tokenizer); only the model is a stand-in (``testing.FakeModelRunner``: next token = a
 hash of the prefix, ids within the first 64 of the vocabulary), so the time measured is the
 engine's, not a forward pass. It is run once per ``output_kind`` and the step time is reported
 per bucket of output length: flat for ``DELTA`` and ``FINAL_ONLY`` (O(new tokens) per step);
@@ -25,14 +25,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
-from tokenbudget.engine.api.stream import RequestStream  # noqa: E402
+from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 from tokenbudget.engine.core.engine_core import EngineCore  # noqa: E402
 from tokenbudget.engine.core.output_processor import OutputProcessor  # noqa: E402
+from tokenbudget.engine.entrypoints.stream import RequestStream  # noqa: E402
 from tokenbudget.scheduler.config import SchedulerConfig  # noqa: E402
 from tokenbudget.scheduler.request import Request  # noqa: E402
 from tokenbudget.scheduler.scheduler import Scheduler  # noqa: E402
-from tokenbudget.scheduler.testing.fake_model import FakeModelRunner, FakeModelSpec  # noqa: E402
+from tokenbudget.testing.fake_model import FakeModelRunner, FakeModelSpec  # noqa: E402
 
 PROMPT = [1, 17, 42, 5, 9, 33, 12, 7]
 
@@ -41,8 +41,8 @@ def load_tokenizer():
 
     from tokenbudget.engine.loader import default_model
     from tokenbudget.engine.loader.gguf_loader import read_gguf_metadata
-    from tokenbudget.engine.text.tokenizer import Tokenizer
-    return Tokenizer.from_gguf_metadata(read_gguf_metadata(default_model.default_model_path()))
+    from tokenbudget.engine.text.gguf_tokenizer import build_gguf_tokenizer
+    return build_gguf_tokenizer(read_gguf_metadata(default_model.default_model_path()))
 
 
 def build_core(tokenizer, num_tokens: int) -> EngineCore:
@@ -79,7 +79,7 @@ def run_kind(tokenizer, kind: RequestOutputKind, num_tokens: int, bucket: int) -
 
 def unread_stream_memory(num_tokens: int) -> dict:
     """Put ``num_tokens`` one-token DELTA outputs into a stream nobody reads; its traced memory."""
-    from tokenbudget.engine.api.outputs import CompletionOutput, RequestOutput
+    from tokenbudget.api.outputs import CompletionOutput, RequestOutput
 
     async def main() -> dict:
         stream = RequestStream("unread", RequestOutputKind.CUMULATIVE, lambda rid: None)

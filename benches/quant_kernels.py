@@ -90,7 +90,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f"threads={args.threads}, quantized kernels' activations {args.act}; ms per call (rows padded to a multiple of 4); inv = every row "
+    print(f"threads={args.threads}, quantized kernels' activations {args.act}; "
+          "ms per call (rows padded to a multiple of 4); inv = every row "
           "bitwise equal to the row alone")
     kn = list(dict.fromkeys(r["kernel"] for r in rows))
     print(f"{'shape':8} {'M':>3} " + " ".join(f"{k:>14}" for k in kn))

@@ -48,8 +48,10 @@ def perplexity(target, ids: list[int]) -> float:
                          allocate_kv_caches(target.config, nb, block, torch.float32, "cpu"), block, sampler=None)
     req = Request("ppl", ids)
     sched = SchedulerOutput()
-    sched.scheduled.append(ScheduledRequest("ppl", 0, list(ids), [], list(range(nb)), True, True,
-                                            req.sampling_params, req.seed, 0, req.min_tokens_banned, None))
+    sched.scheduled.append(ScheduledRequest(request_id="ppl", num_computed_tokens=0, token_ids=list(ids),
+                                            spec_token_ids=[], block_ids=list(range(nb)), is_new=True,
+                                            needs_sample=True, params=req.sampling_params, seed=req.seed,
+                                            banned_token_ids=req.min_tokens_banned))
     x, pos, md, _ = runner.prepare_inputs(sched)
     logits = target.model.compute_logits(target.model(x, pos, md, runner.kv_caches))
     nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))

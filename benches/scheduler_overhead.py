@@ -157,13 +157,15 @@ def main(argv: list[str] | None = None) -> int:
         pstats.Stats("/tmp/sched.prof").sort_stats("tottime").print_stats(20)
         return 0
     rows = []
-    print(f"scheduler overhead (begin_step + schedule + plan_update + apply_update), {args.clock} clock, {args.steps} steps, best of {args.repeats}, "
+    print("scheduler overhead (begin_step + schedule + plan_update + apply_update), "
+          f"{args.clock} clock, {args.steps} steps, best of {args.repeats}, "
           f"python {platform.python_version()}, {cpu_model()}")
     print(f"{'requests':>8} {'drafts':>6} {'us/step':>9} {'us/request':>10} {'schedule':>9} {'update':>8} "
           f"{'set_drafts':>10} {'tok/step':>8}")
     for n in args.requests:
         for k in args.drafts:
-            row = min((measure(n, k, args.steps, seed=r, clock=args.clock) for r in range(args.repeats)), key=lambda r: r["us_per_step"])
+            row = min((measure(n, k, args.steps, seed=r, clock=args.clock) for r in range(args.repeats)),
+                      key=lambda r: r["us_per_step"])
             rows.append(row)
             print(f"{n:>8} {k:>6} {row['us_per_step']:>9.1f} {row['us_per_request']:>10.2f} {row['schedule_us']:>9.1f} "
                   f"{row['update_us']:>8.1f} {row['set_drafts_us']:>10.1f} {row['tokens_per_step']:>8.1f}", flush=True)

@@ -76,7 +76,7 @@ def through_server(target, prompts_file: str, args) -> dict:
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
     try:
         with server_in_thread(llm, "bench", log_level="warning") as server:
-            subprocess.run([sys.executable, "-m", "tokenbudget.engine.cli.main", "bench", "serve", "--url",
+            subprocess.run([sys.executable, "-m", "tokenbudget.cli.main", "bench", "serve", "--url",
                             server_url(server), "--dataset", prompts_file, "--num-prompts", str(args.num_prompts),
                             "--max-tokens", str(args.max_tokens), "--ignore-eos", "--concurrency",
                             str(args.concurrency), "--output-json", out], check=True,

@@ -245,7 +245,8 @@ def _summarise(args, prompts, labels, timings, stats, profiles, mismatches) -> d
     print("\nVerify cost: runner.execute time by tokens in the step (batch 1: 1 + drafts):")
     print_table(cost_headers, cost_rows)
     real = [m for m in mismatches if m["method"] != HF_PLD]
-    print(f"\nlossless: {'yes, every method matched no-spec on every prompt' if not real else f'NO: {len(real)} mismatches'}")
+    verdict = "yes, every method matched no-spec on every prompt" if not real else f"NO: {len(real)} mismatches"
+    print(f"\nlossless: {verdict}")
     for m in real:
         print("  MISMATCH", m)
 

@@ -170,7 +170,8 @@ def main() -> None:
           f"{'mask us med/mean/p99':>22} "
           f"{'tokens':>7} {'rollback':>9} errors")
     for r in rows:
-        print(f"{r['backend']:<11} {r['tokenizer_setup_ms']:9.1f} {r['compile_ms_median']:9.2f}/{r['compile_ms_max']:<9.2f}"
+        print(f"{r['backend']:<11} {r['tokenizer_setup_ms']:9.1f} "
+              f"{r['compile_ms_median']:9.2f}/{r['compile_ms_max']:<9.2f}"
               f" {r['first_mask_ms_median']:10.2f}/{r['first_mask_ms_max']:<10.2f}"
               f" {r['mask_us_median']:7.1f}/{r['mask_us_mean']:6.1f}/{r['mask_us_p99']:<7.1f} {r['tokens']:7d}"
               f" {r['rollback_exact']!s:>9} {len(r['errors'])}")

@@ -18,14 +18,15 @@ whatever they are), so greedy verification accepts a geometric number of drafts.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import msgspec
 import torch
 
-from tokenbudget.engine.api.outputs import RequestOutput
-from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
+from tokenbudget.api.outputs import RequestOutput
+from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
+from tokenbudget.api.spec_config import SpeculativeConfig
 from tokenbudget.engine.core.engine_core import EngineCore
 from tokenbudget.engine.core.prompts import make_request
 from tokenbudget.engine.model import build_model
@@ -38,7 +39,6 @@ from tokenbudget.engine.worker.model_runner import ModelRunner
 from tokenbudget.engine.worker.sampler import Sampler
 from tokenbudget.scheduler.config import SchedulerConfig
 from tokenbudget.scheduler.scheduler import Scheduler
-from tokenbudget.spec.config import SpeculativeConfig
 from tokenbudget.spec.proposer import BaseProposer
 from tokenbudget.spec.speculator import Speculator
 

@@ -1,4 +1,4 @@
-"""Triton rejection sampler, bit-identical to ``spec.rejection_sampler.rejection_sample_reference``.
+"""Triton rejection sampler, bit-identical to ``kernels.rejection_ref.rejection_sample_reference``.
 
 Same arguments, same output; see the reference's module docstring for the rule. One Triton
 program per request:
@@ -27,12 +27,12 @@ import functools
 
 import torch
 
-from tokenbudget.kernels.triton_utils import triton_runnable_on
-from tokenbudget.spec.rejection_sampler import (
+from tokenbudget.kernels.rejection_ref import (
     PLACEHOLDER_TOKEN_ID,
     rejection_sample_reference,
     request_offsets,
 )
+from tokenbudget.kernels.triton_utils import triton_runnable_on
 
 DEFAULT_BLOCK_V = 1024
 

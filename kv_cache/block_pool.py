@@ -11,34 +11,18 @@ inverse there; see ``kv_cache.journal`` for what a rollback after a forward pass
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from tokenbudget.kv_cache.block import KVBlock
 from tokenbudget.kv_cache.free_queue import FreeBlockQueue
 from tokenbudget.kv_cache.journal import UndoLog
-
-
-@dataclass(slots=True, eq=False)
-class KVBlock:
-    block_id: int
-    ref_cnt: int = 0
-    # Chained hash of the block's committed tokens; None while the block is not cacheable.
-    block_hash: int | None = None
-    # Links of the free queue (both None while the block is referenced).
-    prev_free: KVBlock | None = None
-    next_free: KVBlock | None = None
-
-    def __repr__(self) -> str:
-        return f"KVBlock({self.block_id}, ref_cnt={self.ref_cnt}, hash={self.block_hash})"
 
 
 class BlockPool:
     """Owns every block. Invariant: ``ref_cnt == 0`` <=> the block is in ``free_queue``."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks, KVBlock)
         self.cached: dict[int, KVBlock] = {}

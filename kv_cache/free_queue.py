@@ -12,16 +12,15 @@ Iterating yields block ids front to back; ``block_id in queue`` asks whether a b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
 
-if TYPE_CHECKING:
-    from tokenbudget.kv_cache.block_pool import KVBlock
+from tokenbudget.kv_cache.block import KVBlock
 
 
 class FreeBlockQueue:
     __slots__ = ("_head", "_tail", "_len", "_by_id")
 
-    def __init__(self, blocks: list["KVBlock"], sentinel_factory) -> None:
+    def __init__(self, blocks: list[KVBlock], sentinel_factory) -> None:
         self._head = sentinel_factory(-1)
         self._tail = sentinel_factory(-2)
         self._head.next_free, self._tail.prev_free = self._tail, self._head
@@ -43,44 +42,44 @@ class FreeBlockQueue:
         block = self._by_id.get(block_id)
         return block is not None and block.prev_free is not None
 
-    def popleft(self) -> "KVBlock":
+    def popleft(self) -> KVBlock:
         block = self._head.next_free
         if block is self._tail:
             raise IndexError("no free block")
         self._unlink(block)
         return block
 
-    def append(self, block: "KVBlock") -> None:
+    def append(self, block: KVBlock) -> None:
         self._link(block, self._tail.prev_free)
 
-    def remove(self, block: "KVBlock") -> "KVBlock":
+    def remove(self, block: KVBlock) -> KVBlock:
         """Take ``block`` out of the middle; returns the block that preceded it (for undo)."""
         prev = block.prev_free
         self._unlink(block)
         return prev
 
     # ---- exact inverses, for undo in reverse order
-    def restore_front(self, block: "KVBlock") -> None:
+    def restore_front(self, block: KVBlock) -> None:
         """Inverse of ``popleft``."""
         self._link(block, self._head)
 
-    def restore_after(self, block: "KVBlock", prev: "KVBlock") -> None:
+    def restore_after(self, block: KVBlock, prev: KVBlock) -> None:
         """Inverse of ``remove`` (``prev`` is what ``remove`` returned)."""
         self._link(block, prev)
 
-    def unlink_back(self, block: "KVBlock") -> None:
+    def unlink_back(self, block: KVBlock) -> None:
         """Inverse of ``append``."""
         assert self._tail.prev_free is block, "undo out of order: block is not at the back"
         self._unlink(block)
 
     # ---- links
-    def _link(self, block: "KVBlock", prev: "KVBlock") -> None:
+    def _link(self, block: KVBlock, prev: KVBlock) -> None:
         nxt = prev.next_free
         block.prev_free, block.next_free = prev, nxt
         prev.next_free = nxt.prev_free = block
         self._len += 1
 
-    def _unlink(self, block: "KVBlock") -> None:
+    def _unlink(self, block: KVBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
         prev.next_free, nxt.prev_free = nxt, prev
         block.prev_free = block.next_free = None

@@ -13,7 +13,7 @@ reused and overwritten). Everything else is restored exactly.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 
 class UndoLog:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenbudget.kv_cache.block_pool import BlockPool, KVBlock
+from tokenbudget.kv_cache.block import KVBlock
+from tokenbudget.kv_cache.block_pool import BlockPool
 from tokenbudget.kv_cache.hashing import extend_block_hashes
 from tokenbudget.kv_cache.journal import UndoLog
 
@@ -41,7 +42,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_block_ids: dict[str, list[int]] = {}
         self.req_hashes: dict[str, list[int]] = {}

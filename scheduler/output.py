@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from tokenbudget.scheduler.request import FINISH_REASONS, RequestStatus
+from tokenbudget.scheduler.request import FINISH_REASONS, Request, RequestStatus
 
 
 class ScheduledRequest(msgspec.Struct, frozen=True, gc=False):
@@ -57,6 +57,31 @@ class ScheduledRequest(msgspec.Struct, frozen=True, gc=False):
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+
+def scheduled_chunk(request: Request, start: int, end: int, block_ids: list[int], *,
+                    is_new: bool) -> ScheduledRequest:
+    """The one builder from a live ``Request``: positions ``[start, end)`` of its committed tokens
+    and scheduled drafts. A chunk that ends short of the committed tokens samples nothing (a
+    partial prefill); one that reaches the end samples, and carries the drafts it covers with their
+    probabilities and, while the request is short of ``min_tokens``, the tokens it may not emit."""
+    all_ids = request.all_token_ids
+    num_committed = len(all_ids)
+    num_prompt = len(request.prompt_token_ids)
+    if end < num_committed:
+        return ScheduledRequest(request_id=request.request_id, num_computed_tokens=start,
+                                token_ids=all_ids[start:end], spec_token_ids=[], block_ids=block_ids,
+                                is_new=is_new, needs_sample=False, params=request.sampling_params,
+                                seed=request.seed, all_token_ids=all_ids, num_prompt_tokens=num_prompt)
+    spec = request.spec_token_ids[:end - num_committed]
+    num_output = num_committed - num_prompt
+    return ScheduledRequest(
+        request_id=request.request_id, num_computed_tokens=start, token_ids=all_ids[start:] + spec,
+        spec_token_ids=spec, block_ids=block_ids, is_new=is_new, needs_sample=True,
+        params=request.sampling_params, seed=request.seed, num_output_tokens=num_output,
+        banned_token_ids=request.min_tokens_banned if num_output < request.min_tokens else (),
+        spec_probs=request.spec_probs[:len(spec)] if spec and request.spec_probs is not None else None,
+        all_token_ids=all_ids, num_prompt_tokens=num_prompt, bad_words_token_ids=request.bad_words_token_ids)
 
 
 @dataclass(slots=True)

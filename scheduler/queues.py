@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Iterator
+from collections.abc import Iterator
 
 from tokenbudget.scheduler.request import Request
 

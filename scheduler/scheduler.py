@@ -28,7 +28,13 @@ from tokenbudget.kv_cache.manager import KVCacheManager
 from tokenbudget.scheduler.config import SchedulerConfig
 from tokenbudget.scheduler.drafts import DraftBatch, draft_limit
 from tokenbudget.scheduler.integrity import check_scheduler_integrity
-from tokenbudget.scheduler.output import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenbudget.scheduler.output import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    scheduled_chunk,
+)
 from tokenbudget.scheduler.queues import make_queue
 from tokenbudget.scheduler.request import Request, RequestStatus
 from tokenbudget.scheduler.stop import check_stop
@@ -174,20 +180,7 @@ class Scheduler:
             if block_ids is None:
                 break
             end = computed + n
-            num_prompt = len(request.prompt_token_ids)
-            if end < num_committed:  # a prefill chunk that does not reach the end: nothing to sample
-                append(ScheduledRequest(request.request_id, computed, all_ids[computed:end], [], block_ids,
-                                        False, False, request.sampling_params, request.seed, 0, (), None,
-                                        all_ids, num_prompt))
-            else:
-                spec = spec_ids[:end - num_committed]
-                num_output = num_committed - num_prompt
-                append(ScheduledRequest(
-                    request.request_id, computed, all_ids[computed:] + spec, spec, block_ids, False, True,
-                    request.sampling_params, request.seed, num_output,
-                    request.min_tokens_banned if num_output < request.min_tokens else (),
-                    request.spec_probs[:len(spec)] if spec and request.spec_probs is not None else None,
-                    all_ids, num_prompt, request.bad_words_token_ids))
+            append(scheduled_chunk(request, computed, end, block_ids, is_new=False))
             request.num_computed_tokens = end
             budget -= n
             i += 1
@@ -244,22 +237,8 @@ class Scheduler:
     def _advance(request: Request, n: int, block_ids: list[int], is_new: bool) -> ScheduledRequest:
         """Record the scheduled chunk and advance ``num_computed_tokens`` optimistically."""
         start = request.num_computed_tokens
-        end = start + n
-        all_ids = request.all_token_ids
-        num_committed = len(all_ids)
-        request.num_computed_tokens = end
-        num_prompt = len(request.prompt_token_ids)
-        if end < num_committed:
-            return ScheduledRequest(request.request_id, start, all_ids[start:end], [], block_ids, is_new, False,
-                                    request.sampling_params, request.seed, 0, (), None, all_ids, num_prompt)
-        spec = request.spec_token_ids[:end - num_committed]
-        num_output = num_committed - num_prompt
-        return ScheduledRequest(
-            request.request_id, start, all_ids[start:] + spec, spec, block_ids, is_new, True,
-            request.sampling_params, request.seed, num_output,
-            request.min_tokens_banned if num_output < request.min_tokens else (),
-            request.spec_probs[:len(spec)] if spec and request.spec_probs is not None else None,
-            all_ids, num_prompt, request.bad_words_token_ids)
+        request.num_computed_tokens = start + n
+        return scheduled_chunk(request, start, start + n, block_ids, is_new=is_new)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Recompute later: free every block, forget computed KV and drafts, back to the queue head.

@@ -1,8 +1,21 @@
-"""Stop conditions for the tokens a step is about to commit (a pure function: no state changes)."""
+"""Where a request stops: the one place that decides how many of a step's tokens a request keeps
+and how it ends.
+
+``check_stop`` decides for what the tokens alone say (EOS, stop token ids, ``max_tokens``,
+``max_model_len``; a pure function) when ``Scheduler.plan_update`` builds the plan. The later
+stages of the step that see more than token ids (the output processor: stop strings in the text;
+structured output: a complete grammar) end a request through ``end_at``, so a cut is made one way
+everywhere: the entry keeps its first ``keep`` tokens and logprobs, and says why it ended.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tokenbudget.scheduler.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from tokenbudget.scheduler.output import EngineCoreOutput
 
 
 def check_stop(request: Request, tokens: list[int], max_model_len: int) -> tuple[int, RequestStatus | None, int | None]:
@@ -34,3 +47,14 @@ def check_stop(request: Request, tokens: list[int], max_model_len: int) -> tuple
         if num_output >= request.max_tokens or num_tokens >= max_model_len:
             return i + 1, RequestStatus.FINISHED_LENGTH, None
     return len(tokens), None, None
+
+
+def end_at(entry: EngineCoreOutput, keep: int, status: RequestStatus, stop_reason: int | str | None) -> None:
+    """End ``entry``'s request after its first ``keep`` new tokens (the rest are dropped, with
+    their logprobs) with ``status`` and ``stop_reason``. Changes only the plan entry: nothing is
+    committed until ``Scheduler.apply_update``."""
+    if keep < len(entry.new_token_ids):
+        entry.new_token_ids = entry.new_token_ids[:keep]
+        if entry.new_logprobs is not None:
+            entry.new_logprobs = entry.new_logprobs[:keep]
+    entry.finish_status, entry.stop_reason = status, stop_reason

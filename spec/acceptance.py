@@ -34,7 +34,7 @@ gather a whole batch's estimates with one fancy index; ``forget`` frees the row.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

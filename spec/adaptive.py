@@ -23,7 +23,8 @@ of prefixes (a valid k), and no other D drafts have a larger sum; scanning D ove
 sums with - lambda g(D) gives F(lambda) exactly. Start at lambda = R(0) (no drafts), set lambda to
 the ratio of the maximiser and repeat: each round strictly raises R until F(lambda) = 0, which is
 the global optimum (finite: there are finitely many k). Ties pick the smallest D (less
-speculation). Cost: a few sorts of <= B*K numbers: ~0.1-0.3 ms for B=64, K=8.
+speculation). Cost: a few sorts of <= B*K numbers (figures: benches/RESULTS.md, "Figures behind
+decisions in the source").
 
 What falls out: k = 0 for requests whose drafts do not pay (low m or long context); shorter k
 as the batch grows (a draft must return more than the step's average cost per token, which

@@ -205,8 +205,8 @@ class StepCostModel:
     @property
     def weights(self) -> np.ndarray:
         """Current w (seconds per unit of each feature in ``FEATURES``). Refitted after every
-        ``refit_every`` updates (a fit is ~0.1 ms; the weights move slowly), at once on demand
-        through ``refit``."""
+        ``refit_every`` updates (a fit costs about as much as a choice of drafts; the weights move
+        slowly), at once on demand through ``refit``."""
         if self._w is None or self._stale >= self.refit_every:
             self.refit()
         return self._w

@@ -16,29 +16,25 @@ TensorRT-LLM (``is_use_oldest=True``) take the earliest. We prefer the most rece
 (a) generation tends to continue the latest copy of a passage: in code editing the newest
 version of a function is the one being rewritten, in multi-turn chat the last answer is the one
 being revised, and in loops the latest iteration carries the current variable values; (b) it is
-what an overwrite-on-insert hash index gives for free. Proxy measurement (``compare_policies``
-on the 480 Spec-Bench questions, word-level tokens, predicting each word of a question's second
-half from its prefix, n = 2..4, k = 4): acceptance 0.172 (recent) vs 0.171 (earliest) overall,
-equal within 0.02 on every category except the 10 MT-Bench coding questions, where earliest
-won (102 of 180 drafted tokens accepted, 0.57, vs 94 of 212, 0.44). The proxy has no model outputs, so it cannot show the
-edit-style workloads that motivate recency; with no measured difference overall, recency is
-the default and ``prefer="earliest"`` stays available.
+what an overwrite-on-insert hash index gives for free. A proxy measurement on Spec-Bench found
+no difference overall (benches/RESULTS.md, "n-gram index"); the proxy has no model outputs, so it
+cannot show the edit-style workloads that motivate recency. So recency is the default and
+``prefer="earliest"`` stays available.
 
 Implementation: an incremental per-request hash index ``{n-gram tuple: end position j}`` for
 every n in [min_n, max_n], holding n-grams whose continuation exists (``j <= L-1``). Each step
 only the new tokens are indexed (O(new tokens × (max_n-min_n+1)) dict writes) and the lookup is
 (max_n-min_n+1) dict probes plus a k-token slice: O(1) in L. A batched numpy sliding-window
 compare over a padded [B, L] array (``ngram_propose_reference``'s approach) is O(B·L·n) per
-step, which at L = 2000 costs far more than the hash probes even vectorised (``benchmark``).
-Measured (``benchmark()``, L = 2000, batch 32, k = 4, 2 shared CPU cores, noisy): 6-10 µs per
-request per step for the index vs 360-510 µs for the numpy reference; indexing a fresh
-2000-token prompt once costs ~1.6 ms. Memory: ~(max_n-min_n+1)·L dict entries per running request, freed when it finishes.
+step, which at L = 2000 costs far more than the hash probes even vectorised (figures:
+benches/RESULTS.md, "n-gram index"). Memory: ~(max_n-min_n+1)·L dict entries per running
+request, freed when it finishes.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 
@@ -183,62 +179,3 @@ def ngram_propose_reference(tokens: Sequence[int], k: int, min_n: int, max_n: in
             j = int(hits[-1] if prefer == "recent" else hits[0]) + n
             return _copy_continuation(list(tokens), j, k)
     return []
-
-
-def benchmark(seq_len: int = 2000, batch: int = 32, steps: int = 50, k: int = 4,
-              vocab: int = 1000, seed: int = 0) -> dict[str, float]:
-    """µs per request per step: incremental index (steady state, one new token per step) vs
-    the numpy reference, on random tokens with repeated spans (so lookups hit)."""
-    rng = np.random.default_rng(seed)
-    reqs = []
-    for i in range(batch):
-        base = rng.integers(0, vocab, seq_len // 2).tolist()
-        toks = base + base[: seq_len - len(base)]
-        reqs.append(Request(f"b{i}", toks, max_tokens=10**9))
-    prop = NgramProposer(2, 4, max_model_len=10**9)
-    prop.propose(reqs, [k] * batch)  # initial (prefill-time) indexing
-    new_tokens = rng.integers(0, vocab, (steps, batch)).tolist()
-    elapsed = 0.0
-    for step in range(steps):
-        for r, t in zip(reqs, new_tokens[step]):
-            r.all_token_ids.append(t)
-        t0 = time.perf_counter()
-        prop.propose(reqs, [k] * batch)
-        elapsed += time.perf_counter() - t0
-    t_index = elapsed / (steps * batch) * 1e6
-    ref_steps = max(1, steps // 10)
-    t0 = time.perf_counter()
-    for _ in range(ref_steps):
-        for r in reqs:
-            ngram_propose_reference(r.all_token_ids, k, 2, 4)
-    t_ref = (time.perf_counter() - t0) / (ref_steps * batch) * 1e6
-    t0 = time.perf_counter()
-    NgramProposer(2, 4, max_model_len=10**9).propose(reqs[:4], [k] * 4)
-    t_build = (time.perf_counter() - t0) / 4 * 1e6
-    return {"seq_len": seq_len, "batch": batch, "index_us_per_req_step": t_index,
-            "reference_us_per_req_step": t_ref, "index_build_us_per_req": t_build}
-
-
-def compare_policies(docs: Sequence[Sequence[int]], k: int = 4, min_n: int = 2,
-                     max_n: int = 4) -> dict[str, dict[str, float]]:
-    """Proxy acceptance of "recent" vs "earliest": for each doc, predict every position of its
-    second half from its prefix and count how many drafted tokens match the real text
-    (greedy acceptance: the matching prefix of the draft)."""
-    result = {}
-    for prefer in ("recent", "earliest"):
-        drafted = accepted = steps = 0
-        for doc in docs:
-            idx = NgramIndex(min_n, max_n, prefer)
-            doc = list(doc)
-            pos = len(doc) // 2
-            while pos < len(doc):
-                idx.sync(doc[:pos])
-                d = idx.lookup(min(k, len(doc) - pos))
-                a = 0
-                while a < len(d) and d[a] == doc[pos + a]:
-                    a += 1
-                drafted, accepted, steps = drafted + len(d), accepted + a, steps + 1
-                pos += a + 1
-        result[prefer] = {"acceptance_rate": accepted / max(drafted, 1),
-                          "tokens_per_step": (accepted + steps) / max(steps, 1)}
-    return result

@@ -20,7 +20,8 @@ is aborted, after its step committed.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from tokenbudget.scheduler.request import Request
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
+from tokenbudget.api.spec_config import SpeculativeConfig
 from tokenbudget.scheduler.drafts import DraftBatch, draft_limit
 from tokenbudget.scheduler.output import EngineCoreOutput, SchedulerOutput
 from tokenbudget.scheduler.request import Request
-from tokenbudget.spec.config import SpeculativeConfig
 from tokenbudget.spec.cost_model import StepShape, request_attention, step_shape
 from tokenbudget.spec.metrics import SpecDecodingStats
 

@@ -26,10 +26,9 @@ context's last bigram. Consequences: matches shorter than 2 tokens are not used 
 default factor 1.0 they could draft one token at most), and a very frequent bigram is judged
 by its most recent ``max_candidates`` occurrences only.
 
-Cost (2 shared CPU cores): ~1 ms to index a fresh 2000-token prompt; per request per step a few
-µs when the context's bigram is new, up to ~150 µs on highly repetitive text (64 candidates all
-matching 24 tokens, 24-token drafts) -- Python loops over candidates, still well below a
-forward pass.
+Cost: Python loops over candidates, most on highly repetitive text (64 candidates all matching
+24 tokens, 24-token drafts), still well below a forward pass (figures:
+benches/RESULTS.md, "Figures behind decisions in the source").
 
 Arctic Inference 0.3.0 (PyPI) was considered as a fast path and rejected: it is published as an
 sdist only; building it needs a C++ toolchain, cmake, nanobind and ``torch>=2.10`` in the build
@@ -40,8 +39,8 @@ extension plus a thin Python wrapper) is the only part that would apply here.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from tokenbudget.scheduler.drafts import draft_limit
 from tokenbudget.scheduler.request import Request

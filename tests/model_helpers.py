@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-
-import pytest
 
 
 def write_tokenizer_files(path) -> None:
@@ -43,15 +42,25 @@ def hf_llama_from_loaded(loaded):
 
 
 def smollm2_gguf_tokenizer():
-    """The default model's tokenizer read from its GGUF metadata (skips when unavailable)."""
-    from tokenbudget.engine.loader import default_model as dm
+    """The default model's tokenizer read from its GGUF metadata (skips only where the file
+    cannot be had: ``engine_fixtures.default_model_path_or_skip``)."""
     from tokenbudget.engine.loader.gguf_loader import read_gguf_metadata
-    from tokenbudget.engine.text.tokenizer import Tokenizer
-    try:
-        path = dm.default_model_path()
-    except RuntimeError as exc:
-        pytest.skip(f"default model unavailable: {exc}")
-    return Tokenizer.from_gguf_metadata(read_gguf_metadata(path))
+    from tokenbudget.engine.text.gguf_tokenizer import build_gguf_tokenizer
+
+    from engine_fixtures import default_model_path_or_skip
+    return build_gguf_tokenizer(read_gguf_metadata(default_model_path_or_skip()))
+
+
+@functools.cache
+def hf_gguf_tokenizer():
+    """transformers' tokenizer for the default model, built by transformers itself from the same
+    GGUF's metadata (``gguf_file=``, via the ``gguf`` package): the reference our tokenizer is
+    compared with, and what the vs-transformers tests feed transformers (its own ids, not ours)."""
+    import transformers
+
+    from engine_fixtures import default_model_path_or_skip
+    path = default_model_path_or_skip()
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
 def scheduled(req, nc: int, n: int, token_ids, spec, table, needs_sample: bool | None = None):
@@ -61,6 +70,8 @@ def scheduled(req, nc: int, n: int, token_ids, spec, table, needs_sample: bool |
     if needs_sample is None:
         needs_sample = nc + n >= req.num_tokens
     num_output = req.num_tokens - len(req.prompt_token_ids)
-    return ScheduledRequest(req.request_id, nc, list(token_ids), list(spec), list(table), nc == 0, needs_sample,
-                            req.sampling_params, req.seed, num_output, req.min_tokens_banned,
-                            req.spec_probs[:len(spec)] if req.spec_probs is not None and spec else None)
+    return ScheduledRequest(request_id=req.request_id, num_computed_tokens=nc, token_ids=list(token_ids),
+                            spec_token_ids=list(spec), block_ids=list(table), is_new=nc == 0,
+                            needs_sample=needs_sample, params=req.sampling_params, seed=req.seed,
+                            num_output_tokens=num_output, banned_token_ids=req.min_tokens_banned,
+                            spec_probs=req.spec_probs[:len(spec)] if req.spec_probs is not None and spec else None)

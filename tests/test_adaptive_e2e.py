@@ -21,7 +21,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 @pytest.fixture(scope="module")
 def engines():
     plain = LLM(default_target(), **ENGINE_OPTS)
-    auto = LLM(default_target(), **ENGINE_OPTS, speculative_config={"method": "ngram", "num_speculative_tokens": "auto"})
+    auto = LLM(default_target(), **ENGINE_OPTS,
+               speculative_config={"method": "ngram", "num_speculative_tokens": "auto"})
     return plain, auto
 
 

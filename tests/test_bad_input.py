@@ -11,8 +11,8 @@ import pytest
 
 from tokenbudget.scheduler.config import SchedulerConfig
 from tokenbudget.scheduler.request import Request, RequestStatus
-from tokenbudget.scheduler.testing.fake_model import FakeModelSpec
-from tokenbudget.scheduler.testing.harness import Harness
+from tokenbudget.testing.fake_model import FakeModelSpec
+from tokenbudget.testing.harness import Harness
 
 CFG = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=3, max_model_len=64, block_size=4,
                       num_blocks=24, enable_prefix_caching=True)

@@ -46,11 +46,11 @@ def test_batch_invariant_matmul_cuda():
 def _check_deterministic_model() -> None:
     """Deterministic mode switches every linear of the real model to the invariant matmul:
     same logits as the default path (to rounding), and a row's logits alone == inside 7 rows."""
-    from test_batch_invariance import random_state_dict
-
     from tokenbudget.engine.model import build_model
     from tokenbudget.engine.model.config import ModelConfig
     from tokenbudget.engine.worker.deterministic import apply_deterministic_mode
+
+    from batch_schedules import random_state_dict
 
     cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
@@ -71,7 +71,7 @@ def test_deterministic_mode_model_interpreted():
 
 
 def test_deterministic_mode_is_a_noop_on_cpu_without_the_interpreter(monkeypatch):
-    from tokenbudget.engine.api.config import EngineConfig
+    from tokenbudget.api.config import EngineConfig
     from tokenbudget.engine.worker.deterministic import apply_deterministic_mode
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -12,9 +12,9 @@ import json
 import msgspec
 import pytest
 
-import tokenbudget.engine.api.llm as llm_module
-from tokenbudget.engine.api.outputs import RequestOutput
-from tokenbudget.engine.cli.main import main
+import tokenbudget.engine.entrypoints.llm as llm_module
+from tokenbudget.api.outputs import RequestOutput
+from tokenbudget.cli.main import main
 
 from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, default_target  # noqa: E402
 
@@ -131,7 +131,7 @@ def test_speculation_defaults_to_the_adaptive_draft_length() -> None:
     unless told otherwise; an explicit count and ``--no-spec`` still win."""
     import argparse
 
-    from tokenbudget.engine.cli import generate
+    from tokenbudget.cli import generate
 
     parser = argparse.ArgumentParser()
     generate.add_parser(parser.add_subparsers())

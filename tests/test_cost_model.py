@@ -123,9 +123,12 @@ def test_nnls_against_brute_force(n, data):
 
 def test_step_shape_counts_rows_logits_and_keys():
     sched = SchedulerOutput([
-        ScheduledRequest("decode", 100, [5], [], [0], False, True),
-        ScheduledRequest("verify", 50, [5, 6, 7], [6, 7], [1], False, True),
-        ScheduledRequest("prefill", 0, [1] * 16, [], [2], True, False),
+        ScheduledRequest(request_id="decode", num_computed_tokens=100, token_ids=[5], spec_token_ids=[],
+                         block_ids=[0], is_new=False, needs_sample=True),
+        ScheduledRequest(request_id="verify", num_computed_tokens=50, token_ids=[5, 6, 7], spec_token_ids=[6, 7],
+                         block_ids=[1], is_new=False, needs_sample=True),
+        ScheduledRequest(request_id="prefill", num_computed_tokens=0, token_ids=[1] * 16, spec_token_ids=[],
+                         block_ids=[2], is_new=True, needs_sample=False),
     ], 20)
     s = step_shape(sched)
     assert (s.requests, s.tokens, s.logit_rows) == (3, 20, 4)

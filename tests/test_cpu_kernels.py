@@ -4,9 +4,9 @@ Checked against torch references built from what the kernels multiply (``dequant
 weight, the kernels' own activation quantization): the GEMMs to fp32 rounding, every output row
 bitwise equal alone and inside any row count, at 1 and 2 threads; the C forward against the torch
 forward of the same quantized model, and bitwise invariant across schedules (prefill whole, in
-chunks next to other requests, one token at a time). Skipped where the kernels cannot run (no
-AVX-512 VNNI or no C compiler): the engine then keeps torch's kernels, which the rest of the
-suite covers.
+chunks next to other requests, one token at a time). Every test takes conftest's ``c_kernels``:
+skipped only where the kernels cannot run (the skip names the missing CPU flag or compiler; the
+engine then keeps torch's kernels, which the rest of the suite covers); a failed build fails.
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ from tokenbudget.engine.model import build_model
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.model.quant import QuantLinear, quantize_model
 from tokenbudget.kernels.cpu import quant_gemm as cg
-from tokenbudget.kernels.cpu.native import library
 
-import test_batch_invariance as tbi
+import batch_schedules as tbi
 
-pytestmark = pytest.mark.skipif(library() is None, reason="C kernels unavailable (no AVX-512 VNNI or C compiler)")
+pytestmark = pytest.mark.usefixtures("c_kernels")
 
 # Every linear's in_features a multiple of 32 and head_dim of 16: the C forward takes the model.
 CFG64 = ModelConfig(vocab_size=101, hidden_size=128, intermediate_size=192, num_hidden_layers=2,

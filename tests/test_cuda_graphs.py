@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import importlib.util
 
-import flashinfer_standin as fis
 import msgspec
 import pytest
 import torch
-from test_batch_invariance import random_state_dict
 
 from tokenbudget.engine.model import build_model
 from tokenbudget.engine.model.config import ModelConfig
@@ -23,29 +21,14 @@ from tokenbudget.engine.worker.cuda_graphs import CUDAGraphRunner
 from tokenbudget.kernels.attention.base import AttentionSpec
 from tokenbudget.kernels.attention.flashinfer_backend import FlashInferBackend
 
+import flashinfer_standin as fis
+from batch_schedules import random_state_dict
+from replay_driver import ReplayDriver
+
 CFG = ModelConfig(vocab_size=97, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                   max_position_embeddings=512, tie_word_embeddings=True)
 BLOCK, NUM_BLOCKS, MAX_PAGES = 16, 64, 256 // 16
-
-
-class ReplayDriver:
-    """Graph driver stand-in: capture runs ``fn`` once; replay re-runs it into the same output."""
-
-    def __init__(self) -> None:
-        self.captures = 0
-
-    def capture(self, fn, num_warmup):
-        self.captures += 1
-        out = fn()
-
-        def replay():
-            with torch.inference_mode():
-                out.copy_(fn())
-        return replay, out
-
-    def synchronize(self) -> None:
-        pass
 
 
 def _spec():

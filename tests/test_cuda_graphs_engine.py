@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import random
 
-import flashinfer_standin as fis
-from test_cuda_graphs import ReplayDriver
-
 from tokenbudget.engine.worker.cuda_graphs import CUDAGraphRunner
 from tokenbudget.kernels.attention.flashinfer_backend import FlashInferBackend
 
+import flashinfer_standin as fis
 from benches.gpu_spec import run_generation
 from benches.synthetic_model import OracleProposer, build_synthetic_engine
+from replay_driver import ReplayDriver
 
 K = 3
 

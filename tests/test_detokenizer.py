@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenbudget.engine.loader.gguf_tokenizer import build_gguf_tokenizer
 from tokenbudget.engine.text.detokenizer import IncrementalDetokenizer
+from tokenbudget.engine.text.gguf_tokenizer import build_gguf_tokenizer
 from tokenbudget.engine.text.tokenizer import Tokenizer
 
 from model_helpers import smollm2_gguf_tokenizer  # noqa: E402

@@ -11,46 +11,15 @@ import os
 
 import pytest
 import torch
+import transformers
 
-from tokenbudget.engine.api.llm import LLM
-from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.api.sampling_params import SamplingParams
+from tokenbudget.engine.entrypoints.llm import LLM
 
-from model_helpers import write_tokenizer_files  # noqa: E402
+from tiny_llama import VOCAB, make_tiny_llama, make_truncated_copy  # noqa: E402
 
-transformers = pytest.importorskip("transformers")
-
-VOCAB = 259
 PROMPTS = ["hello world, hello world, hello", "abcabcabcabc", "The quick brown fox",
            "x" * 40 + " then some more text to make this prompt a good deal longer than the others"]
-
-
-def make_tiny_llama(path, *, layers: int, hidden: int = 64, vocab: int = VOCAB, seed: int = 0,
-                    scale: float = 1.0) -> str:
-    """A random Llama HF directory; ``scale`` multiplies the init std (larger: peakier logits,
-    so a related drafter agrees more often)."""
-    os.makedirs(path, exist_ok=True)
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                                   num_hidden_layers=layers, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=512,
-                                   initializer_range=0.02 * scale, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(cfg)
-    model.save_pretrained(str(path))
-    write_tokenizer_files(str(path))
-    return str(path)
-
-
-def make_truncated_copy(src, path, layers: int) -> str:
-    """A separate HF directory holding the first ``layers`` layers of ``src`` (a related drafter)."""
-    model = transformers.LlamaForCausalLM.from_pretrained(str(src))
-    cfg = model.config
-    cfg.num_hidden_layers = layers
-    small = transformers.LlamaForCausalLM(cfg)
-    missing, _ = small.load_state_dict(model.state_dict(), strict=False)
-    assert not missing
-    small.save_pretrained(str(path))
-    write_tokenizer_files(str(path))
-    return str(path)
 
 
 def make_engine(path, spec=None, **opts) -> LLM:

@@ -1,4 +1,4 @@
-"""One test per fault class on the EngineCore over the fake model (``scheduler.testing``).
+"""One test per fault class on the EngineCore over the fake model (``testing``).
 
 Each runs the same requests on a faulty engine and a fault-free twin (same seed, same drafts):
 the twin's outputs are the fault-free run the faulty engine must reproduce for every request
@@ -13,9 +13,9 @@ import pytest
 
 from tokenbudget import EngineDeadError
 from tokenbudget.scheduler.config import SchedulerConfig
-from tokenbudget.scheduler.testing.faults import FaultInjectingProposer, FaultInjectingRunner, FaultPlan
-from tokenbudget.scheduler.testing.fingerprint import TransactionChecker
-from tokenbudget.scheduler.testing.harness import Harness
+from tokenbudget.testing.faults import FaultInjectingProposer, FaultInjectingRunner, FaultPlan
+from tokenbudget.testing.fingerprint import TransactionChecker
+from tokenbudget.testing.harness import Harness
 
 CONFIG = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, max_model_len=64, block_size=4,
                          num_blocks=64, enable_prefix_caching=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 
-import flashinfer_standin as fis
 import pytest
 import torch
 
@@ -19,6 +18,8 @@ from tokenbudget.kernels.attention.flashinfer_backend import (
     eager_workspace_bytes,
 )
 from tokenbudget.kernels.kv_write import write_kv_reference
+
+import flashinfer_standin as fis
 
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

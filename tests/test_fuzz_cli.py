@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tokenbudget.engine.cli import fuzz as cli_fuzz
+from tokenbudget.cli import fuzz as cli_fuzz
 from tokenbudget.kv_cache.manager import KVCacheManager
 from tokenbudget.scheduler.config import SchedulerConfig
-from tokenbudget.scheduler.testing.fuzz import load_config_file, run_fuzz
+from tokenbudget.testing.fuzz import load_config_file, run_fuzz
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -112,7 +112,8 @@ def test_bad_config_exits_2(tmp_path, capsys):
 
 
 def test_python_dash_m_entry_point():
-    proc = subprocess.run([sys.executable, "-m", "tokenbudget.engine.cli.fuzz", "--examples", "5", "--seed", "3", "--steps", "10"],
+    proc = subprocess.run([sys.executable, "-m", "tokenbudget.cli.fuzz",
+                           "--examples", "5", "--seed", "3", "--steps", "10"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK" in proc.stdout
@@ -120,5 +121,5 @@ def test_python_dash_m_entry_point():
 
 def test_tokenbudget_console_script_dispatches_fuzz() -> None:
     """The ``tokenbudget fuzz`` entry point (engine.cli.main), not only ``python -m engine.cli_fuzz``."""
-    from tokenbudget.engine.cli.main import main
+    from tokenbudget.cli.main import main
     assert main(["fuzz", "--examples", "3", "--seed", "0", "--steps", "10"]) == 0

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("engine", "scheduler", "spec", "kv_cache", "kernels")
+FOLDERS = ("api", "engine", "scheduler", "spec", "kv_cache", "kernels", "testing", "cli")
 
 
 def _pyproject() -> dict:
@@ -60,5 +60,5 @@ def test_wheel_holds_only_the_tokenbudget_namespace(tmp_path):
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert {t for t in tops if not t.endswith((".dist-info", ".data"))} == {"tokenbudget"}
     names = zipfile.ZipFile(wheel).namelist()
-    assert "tokenbudget/engine/api/llm.py" in names and "tokenbudget/scheduler/scheduler.py" in names
+    assert "tokenbudget/engine/entrypoints/llm.py" in names and "tokenbudget/scheduler/scheduler.py" in names
     assert "tokenbudget/kernels/cpu/quant_gemm.c" in names  # compiled at first use: the source must ship

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from tokenbudget.spec.rejection_sampler import (
+from tokenbudget.kernels.rejection_ref import (
     PLACEHOLDER_TOKEN_ID,
     num_emitted,
     rejection_sample_reference,
@@ -80,7 +80,8 @@ def _case(seed: int, ks: list[int], vocab: int, with_q: bool, greedy_frac: float
     q = _random_probs(rng, d, vocab) if with_q else None
     drafts = rng.integers(0, vocab, d)
     if aligned:  # make drafts often right so long accepted prefixes occur
-        rows = np.concatenate([s + np.arange(k) for s, k in zip(request_offsets(torch.tensor(ks))[0].tolist(), ks)]).astype(int)
+        starts = request_offsets(torch.tensor(ks))[0].tolist()
+        rows = np.concatenate([s + np.arange(k) for s, k in zip(starts, ks)]).astype(int)
         mask = rng.random(d) < 0.7
         drafts = np.where(mask, argmax[rows] if d else drafts, drafts)
     greedy = rng.random(b) < greedy_frac

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.api.sampling_params import SamplingParams
 from tokenbudget.engine.worker.logits_processing import prepare_logits
 from tokenbudget.engine.worker.sampler import Sampler, SamplingRow
 

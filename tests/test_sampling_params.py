@@ -6,7 +6,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.api.sampling_params import SamplingParams
 
 BAD_VALUES = [
     ("n", 0),

@@ -2,7 +2,7 @@
 
 from hypothesis import HealthCheck, settings
 
-from tokenbudget.scheduler.testing.state_machine import SchedulerMachine
+from tokenbudget.testing.state_machine import SchedulerMachine
 
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=400, stateful_step_count=60, deadline=None,

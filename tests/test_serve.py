@@ -13,14 +13,13 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
 
 from tokenbudget import LLM, AsyncLLM, SamplingParams
 
 from engine_fixtures import ENGINE_OPTS, default_target  # noqa: E402
 from serve_fixtures import KEY, MODEL, running_server, wait_idle  # noqa: E402
-
-openai = pytest.importorskip("openai")
 
 PROMPTS = [f"{head} {tail}" for head, tail in itertools.product(
     ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "The three primary colors are"],
@@ -85,7 +84,8 @@ def test_penalties_and_logit_bias_equal_offline(client, llm):
     bias = {"28": -100.0, "30": 5.0}
     offline = LLM(default_target(), **ENGINE_OPTS)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, presence_penalty=1.5,
-                            frequency_penalty=0.5, repetition_penalty=1.3, logit_bias={int(k): v for k, v in bias.items()})
+                            frequency_penalty=0.5, repetition_penalty=1.3,
+                            logit_bias={int(k): v for k, v in bias.items()})
     want = offline.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].text
     r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
                                   presence_penalty=1.5, frequency_penalty=0.5, logit_bias=bias,
@@ -181,7 +181,7 @@ def test_api_key(url):
 
 
 def test_bench_serve_cli(url, tmp_path):
-    from tokenbudget.engine.cli.main import main
+    from tokenbudget.cli.main import main
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps(row) for row in (
         {"prompt": PROMPTS[0]}, {"messages": [{"role": "user", "content": "Say hi"}]},

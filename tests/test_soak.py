@@ -20,8 +20,8 @@ import time
 import pytest
 
 from tokenbudget.scheduler.config import SchedulerConfig
-from tokenbudget.scheduler.testing.fake_model import FakeModelSpec
-from tokenbudget.scheduler.testing.harness import Harness
+from tokenbudget.testing.fake_model import FakeModelSpec
+from tokenbudget.testing.harness import Harness
 
 NUM_REQUESTS = 3000
 CONFIGS = {

@@ -17,11 +17,11 @@ import random
 import pytest
 
 from tokenbudget import LLM, RequestError, SamplingParams
-from tokenbudget.engine.api.async_llm import AsyncLLM
-from tokenbudget.scheduler.testing.faults import FaultInjectingRunner, FaultPlan
+from tokenbudget.engine.entrypoints.async_llm import AsyncLLM
+from tokenbudget.testing.faults import FaultInjectingRunner, FaultPlan
 
 from engine_fixtures import assert_all_blocks_free  # noqa: E402
-from test_draft_model import make_tiny_llama  # noqa: E402
+from tiny_llama import make_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenbudget.spec.config import SpecConfigError, SpeculativeConfig
+from tokenbudget.api.spec_config import SpecConfigError, SpeculativeConfig
 
 
 def test_defaults_and_derived():

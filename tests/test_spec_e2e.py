@@ -17,13 +17,11 @@ import os
 
 import pytest
 
-from tokenbudget.engine.api.llm import LLM
-from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.api.sampling_params import SamplingParams
+from tokenbudget.engine.entrypoints.llm import LLM
 
 from engine_fixtures import default_target
-from test_draft_model import make_tiny_llama, make_truncated_copy
-
-transformers = pytest.importorskip("transformers")
+from tiny_llama import make_tiny_llama, make_truncated_copy
 
 
 def _gen(llm: LLM, prompts, max_tokens: int) -> list[list[int]]:

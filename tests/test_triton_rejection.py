@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenbudget.kernels.rejection_ref import rejection_sample_reference
 from tokenbudget.kernels.rejection_triton import rejection_sample
-from tokenbudget.spec.rejection_sampler import rejection_sample_reference
 
 from triton_interp import needs_cuda, needs_triton, run_interpreted  # noqa: E402
 

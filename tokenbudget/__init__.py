@@ -5,23 +5,24 @@ and speculative decoding whose output is exactly the target model's.
     llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     print(llm.generate("The capital of France is", SamplingParams(max_tokens=16))[0].outputs[0].text)
 
-The subpackages live in folders of the repository root and install under this namespace:
-``tokenbudget.engine`` (API, EngineCore, worker, loading, model code), ``tokenbudget.scheduler``,
-``tokenbudget.kv_cache``, ``tokenbudget.spec``, ``tokenbudget.kernels``. docs/DESIGN.md draws the
-architecture.
+The subpackages live in folders of the repository root and install under this namespace, bottom
+layer first: ``tokenbudget.api`` (options, outputs, errors), ``tokenbudget.kv_cache``,
+``tokenbudget.scheduler``, ``tokenbudget.spec``, ``tokenbudget.kernels``, ``tokenbudget.engine``
+(model code, loading, worker, EngineCore, the front-ends, the server), ``tokenbudget.testing``,
+``tokenbudget.cli``. docs/DESIGN.md draws the layers and maps import paths to folders.
 """
 
-from tokenbudget.engine.api.config import EngineConfig
-from tokenbudget.engine.api.errors import EngineDeadError, EngineOverloadedError, RequestError
-from tokenbudget.engine.api.outputs import CompletionOutput, GenerateRequest, Logprob, RequestMetrics, RequestOutput
-from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
+from tokenbudget.api.config import EngineConfig
+from tokenbudget.api.errors import EngineDeadError, EngineOverloadedError, RequestError
+from tokenbudget.api.outputs import CompletionOutput, GenerateRequest, Logprob, RequestMetrics, RequestOutput
+from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
+from tokenbudget.api.structured_params import StructuredOutputsParams
 from tokenbudget.engine.core.stats import EngineStats
-from tokenbudget.engine.structured.params import StructuredOutputsParams
 
 _LAZY = {  # heavy (torch, model code): imported on first use
-    "LLM": "tokenbudget.engine.api.llm",
-    "LLMEngine": "tokenbudget.engine.api.llm_engine",
-    "AsyncLLM": "tokenbudget.engine.api.async_llm",
+    "LLM": "tokenbudget.engine.entrypoints.llm",
+    "LLMEngine": "tokenbudget.engine.entrypoints.llm_engine",
+    "AsyncLLM": "tokenbudget.engine.entrypoints.async_llm",
     "EngineCore": "tokenbudget.engine.core.engine_core",
 }
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from tokenbudget.engine.cli.main import main
+from tokenbudget.cli.main import main
 
 sys.exit(main())

@@ -51,12 +51,12 @@ import logging
 import time
 from collections.abc import Collection
 
-from tokenbudget.engine.api.errors import EngineDeadError
-from tokenbudget.engine.api.outputs import RequestOutput
+from tokenbudget.api.errors import EngineDeadError
+from tokenbudget.api.outputs import RequestOutput
 from tokenbudget.engine.core.interrupts import deferred_sigint
 from tokenbudget.engine.core.output_processor import OutputProcessor
-from tokenbudget.engine.core.stats import EngineStats, ThroughputMeter, collect_stats
 from tokenbudget.engine.core.parallel_sampling import ParentRequest
+from tokenbudget.engine.core.stats import EngineStats, ThroughputMeter, collect_stats
 from tokenbudget.engine.structured.manager import StructuredOutputs
 from tokenbudget.scheduler.output import EngineCoreOutput, SchedulerOutput
 from tokenbudget.scheduler.request import Request, RequestStatus

@@ -33,13 +33,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from tokenbudget.engine.api.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
+from tokenbudget.api.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
 from tokenbudget.engine.core.parallel_sampling import ParentRequest
 from tokenbudget.engine.text.detokenizer import IncrementalDetokenizer
 from tokenbudget.engine.text.tokenizer import Tokenizer
 from tokenbudget.scheduler.output import EngineCoreOutput
 from tokenbudget.scheduler.request import FINISH_REASONS, Request, RequestStatus
+from tokenbudget.scheduler.stop import end_at
 
 CUMULATIVE, DELTA, FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 _DEFAULT_PARAMS = SamplingParams()
@@ -278,10 +279,7 @@ class OutputProcessor:
                     for lp in entry.new_logprobs[keep:]:
                         state.cumulative_logprob -= float(lp.logprob)
                     del state.logprobs[len(state.logprobs) - drop:]
-                entry.new_token_ids = new[:keep]
-                if entry.new_logprobs is not None:
-                    entry.new_logprobs = entry.new_logprobs[:keep]
-        entry.finish_status, entry.stop_reason = RequestStatus.FINISHED_STOPPED, matched
+        end_at(entry, keep, RequestStatus.FINISHED_STOPPED, matched)
 
     def _output(self, state: RequestState, status: RequestStatus | None, stop_reason,
                 error: str | None = None) -> RequestOutput | None:

@@ -25,8 +25,8 @@ import dataclasses
 
 import msgspec
 
-from tokenbudget.engine.api.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tokenbudget.engine.api.sampling_params import RequestOutputKind
+from tokenbudget.api.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenbudget.api.sampling_params import RequestOutputKind
 from tokenbudget.engine.worker.keyed_random import mix64
 from tokenbudget.scheduler.request import Request
 

@@ -16,13 +16,12 @@ word is banned at the start of the text and after a space.
 from __future__ import annotations
 
 import operator
-from typing import Union
 
-from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.api.sampling_params import SamplingParams
 from tokenbudget.engine.text.tokenizer import Tokenizer
 from tokenbudget.scheduler.request import Request
 
-PromptInput = Union[str, list[int], dict]
+PromptInput = str | list[int] | dict
 
 
 def _token_ids(prompt, vocab_size: int) -> list[int]:

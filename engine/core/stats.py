@@ -18,7 +18,7 @@ from collections import deque
 
 import msgspec
 
-from tokenbudget.engine.api.errors import EngineOverloadedError
+from tokenbudget.api.errors import EngineOverloadedError
 from tokenbudget.scheduler.request import RequestStatus
 
 _WINDOW_S = 10.0  # tokens/s is measured over the last few seconds of steps

@@ -11,7 +11,8 @@ import gc
 import logging
 from dataclasses import dataclass
 
-from tokenbudget.engine.api.config import EngineConfig
+from tokenbudget.api.config import EngineConfig
+from tokenbudget.api.spec_config import SpeculativeConfig
 from tokenbudget.engine.core.engine_core import EngineCore
 from tokenbudget.engine.core.output_processor import OutputProcessor
 from tokenbudget.engine.loader.target import TargetModel, load_target_model
@@ -28,7 +29,6 @@ from tokenbudget.engine.worker.sampler import Sampler
 from tokenbudget.engine.worker.threads import set_torch_threads
 from tokenbudget.scheduler.config import SchedulerConfig
 from tokenbudget.scheduler.scheduler import Scheduler
-from tokenbudget.spec.config import SpeculativeConfig
 from tokenbudget.spec.speculator import Speculator
 
 logger = logging.getLogger("tokenbudget")
@@ -135,7 +135,7 @@ def _wrap_in_cuda_graphs(runner: ModelRunner, kv_caches, spec_config, max_model_
 
 def _build_speculator(spec_config: SpeculativeConfig, target: TargetModel, scheduler: Scheduler,
                       runner: ModelRunner) -> Speculator:
-    from tokenbudget.spec.factory import build_controller, build_proposer
+    from tokenbudget.engine.core.spec_factory import build_controller, build_proposer
     proposer = build_proposer(spec_config, scheduler.config.max_model_len, target=target, scheduler=scheduler)
     cost_model = None
     if spec_config.is_adaptive:

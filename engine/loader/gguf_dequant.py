@@ -16,7 +16,7 @@ matrices equals the Hugging Face ``(out_features, in_features)`` layout.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

@@ -24,6 +24,7 @@ from tokenbudget.engine.loader.gguf_dequant import dequantize_tensor
 from tokenbudget.engine.loader.gguf_file import GGUFFile, read_gguf
 from tokenbudget.engine.loader.weight_quant import block_weight_type
 from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.engine.text.gguf_tokenizer import build_gguf_tokenizer
 from tokenbudget.engine.text.tokenizer import Tokenizer
 
 __all__ = ["read_gguf_metadata", "gguf_tensor_name_to_hf", "unpermute_qk", "load_gguf"]
@@ -94,7 +95,7 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
     config = gguf_metadata_to_config(
         meta, vocab_size=vocab_size, tied="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors, rope_scaling=rope_scaling)
-    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    tokenizer = build_gguf_tokenizer(meta)
 
     state_dict: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():

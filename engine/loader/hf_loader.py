@@ -106,7 +106,8 @@ def _read_json(path: str) -> dict[str, Any] | None:
         return json.load(f)
 
 
-def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+def load_hf_dir(path: str, dtype: torch.dtype = torch.float32
+                ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     """Read an HF directory; returns ``(config, state_dict, tokenizer)``."""
     cfg = _read_json(os.path.join(path, "config.json"))
     if cfg is None:

@@ -73,7 +73,7 @@ def build_target(loaded: LoadedModel, dtype: torch.dtype, device: torch.device,
     quantization = resolve_quantization(quantization, loaded.source, dtype, device, loaded.weight_type)
     model = build_model(loaded.config, loaded.state_dict, dtype, device)
     loaded.state_dict.clear()
-    quantize_model(model, quantization)
+    model = quantize_model(model, quantization)
     _return_freed_memory()
     return TargetModel(model, loaded.config, loaded.tokenizer, device, dtype, loaded.source, quantization)
 

@@ -1,5 +1,6 @@
-"""The whole decoder forward in one C call (``tb_forward`` in ``kernels/cpu/quant_gemm.c``), for a
-quantized model on the CPU.
+"""The whole decoder forward in one C call (``tb_forward`` in ``kernels/cpu/decoder_forward.c``),
+installed around a quantized model on the CPU (``CpuForwardModel``), as the CUDA graph runner is
+installed around a model on a GPU: the model code itself has no branch for it.
 
 Why: with the weight-only GEMMs at memory speed, what was left of a batch-1 decode step on the CPU
 was ~100 small torch ops per layer (norms, RoPE, the KV write, attention, casts, residual adds),
@@ -12,54 +13,80 @@ tensors ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (fp32), so the t
 backend and this path read each other's cache. Batch invariance holds by construction (the C
 file's notes): every row is computed from itself and its own context, in an order fixed by the row.
 
-Used when ``CpuForward.build`` accepts the model: every linear on the C kernels, head_dim a
-multiple of 16 and at most 256, and the step's KV cache fp32 on the CPU; else the torch forward runs.
+Installed when ``CpuForward.build`` accepts the model: every linear on the C kernels, head_dim a
+multiple of 16 and at most 256; a step whose KV cache is not fp32 on the CPU runs the torch forward.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tokenbudget.engine.model.layers import rms_norm
 from tokenbudget.kernels.attention.base import AttentionMetadata
+from tokenbudget.kernels.cpu.decoder_forward import TbForward, TbLayer, TbLinear, tb_forward
 from tokenbudget.kernels.cpu.native import library
 
-LAYER_FIELDS = 20
 _FMT = {"int4": 4, "int8": 8}
 
 
-def _lin_fields(lin) -> list[int]:
+def _linear(lin) -> TbLinear:
     w = lin.native
     scales = getattr(w, "s", None)
-    return [_FMT[lin.mode], w.packed.data_ptr(), 0 if scales is None else scales.data_ptr(),
-            0 if lin.bias is None else lin.bias.data_ptr()]
+    return TbLinear(_FMT[lin.mode], w.packed.data_ptr(), 0 if scales is None else scales.data_ptr(),
+                    0 if lin.bias is None else lin.bias.data_ptr())
+
+
+class CpuForwardModel:
+    """``model`` with its decoder run by ``cpu_forward`` wherever the step's KV caches allow (fp32,
+    on the CPU, contiguous); otherwise, or with ``cpu_forward`` set to None, the model's own torch
+    forward. Everything else (``compute_logits``, config, weights) is the model's."""
+
+    def __init__(self, model, cpu_forward: CpuForward) -> None:
+        self.model = model
+        self.cpu_forward: CpuForward | None = cpu_forward
+
+    @classmethod
+    def around(cls, model):
+        """``model`` wrapped where the C forward can run it (``CpuForward.build``), else ``model``."""
+        forward = CpuForward.build(model)
+        return model if forward is None else cls(model, forward)
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        m = self.model
+        if self.cpu_forward is not None and self.cpu_forward.accepts(kv_caches):
+            return rms_norm(self.cpu_forward(input_ids, positions, attn_metadata, kv_caches), m.norm, m.eps)
+        return m(input_ids, positions, attn_metadata, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
 
 
 class CpuForward:
-    """Holds the per-layer pointer table (the model's tensors stay owned by the model)."""
+    """Holds the per-layer ``TbLayer`` array (the model's tensors stay owned by the model)."""
 
-    __slots__ = ("_fparams", "_norms", "_table", "_table_key", "_weights", "model")
+    __slots__ = ("_linears", "_norms", "_table", "_table_key", "model")
 
     def __init__(self, model):
         self.model = model
-        self._fparams = torch.tensor([model.eps, model.head_dim ** -0.5], dtype=torch.float32)
         self._norms = [(lw.input_norm.contiguous(), lw.post_norm.contiguous()) for lw in model.layers]
-        # per layer: input_norm, post_norm, kv cache (filled per call), then 4 x (fmt, w, s, bias), one spare
-        self._weights = [[*_lin_fields(lw.qkv), *_lin_fields(lw.o), *_lin_fields(lw.gate_up), *_lin_fields(lw.down), 0]
-                         for lw in model.layers]
-        assert all(3 + len(w) == LAYER_FIELDS for w in self._weights)
+        self._linears = [(_linear(lw.qkv), _linear(lw.o), _linear(lw.gate_up), _linear(lw.down)) for lw in model.layers]
         self._table, self._table_key = None, None
 
     @classmethod
     def build(cls, model) -> CpuForward | None:
         """A ``CpuForward`` for ``model``, or None where the C forward cannot run it (module doc)."""
-        from tokenbudget.engine.model.quant import QuantLinear
         if library() is None or model.dtype != torch.float32 or model.device.type != "cpu":
             return None
         if model.head_dim % 16 or model.head_dim > 256:  # hidden/intermediate: the native linears' K % 32
             return None
         for lw in model.layers:
             for lin in (lw.qkv, lw.o, lw.gate_up, lw.down):
-                if not isinstance(lin, QuantLinear) or lin.native is None:
+                if getattr(lin, "native", None) is None:  # a QuantLinear on the C kernels (quant.py)
                     return None
         return cls(model)
 
@@ -67,12 +94,14 @@ class CpuForward:
         kv = kv_caches[0]
         return kv.dtype == torch.float32 and kv.device.type == "cpu" and all(c.is_contiguous() for c in kv_caches)
 
-    def _layer_table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """The int64 ``[layers, LAYER_FIELDS]`` table for these caches (rebuilt only when they change)."""
+    def _layer_table(self, kv_caches: list[torch.Tensor]):
+        """The ``TbLayer`` array for these caches (rebuilt only when they change)."""
         key = tuple(kv.data_ptr() for kv in kv_caches)
         if key != self._table_key:
-            self._table = torch.tensor([[n0.data_ptr(), n1.data_ptr(), kv, *w]
-                                        for (n0, n1), kv, w in zip(self._norms, key, self._weights)], dtype=torch.int64)
+            if len(key) != len(self._norms):
+                raise ValueError(f"{len(key)} KV caches for {len(self._norms)} layers")
+            self._table = (TbLayer * len(key))(*[TbLayer(n0.data_ptr(), n1.data_ptr(), kv, *lins)
+                                                 for (n0, n1), kv, lins in zip(self._norms, key, self._linears)])
             self._table_key = key
         return self._table
 
@@ -108,13 +137,13 @@ class CpuForward:
         tables = torch.tensor([bt + [0] * (max_blocks - len(bt)) for bt in md.block_tables], dtype=torch.int32)
         layers = self._layer_table(kv_caches)
         pos = positions[:t].contiguous()
-        dims = torch.tensor([t, m.config.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim,
-                             m.config.intermediate_size, len(m.layers), kv_caches[0].shape[2], max_blocks,
-                             torch.get_num_threads()], dtype=torch.int64)
         slots = md.slot_mapping[:t].contiguous()
         self._check_bounds(pos, slots, tables, kv_caches[0])
-        if library().tb_forward(dims.data_ptr(), self._fparams.data_ptr(), layers.data_ptr(), x.data_ptr(),
-                                pos.data_ptr(), m.rope.cos.data_ptr(), m.rope.sin.data_ptr(), slots.data_ptr(),
-                                ctx.data_ptr(), req.data_ptr(), tables.data_ptr()):
-            raise MemoryError("tb_forward: scratch allocation failed")
+        tb_forward(TbForward(
+            num_tokens=t, hidden=m.config.hidden_size, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim, intermediate=m.config.intermediate_size, num_layers=len(layers),
+            block_size=kv_caches[0].shape[2], max_blocks=max_blocks, num_threads=torch.get_num_threads(),
+            eps=m.eps, scale=m.head_dim ** -0.5, layers=layers, x=x.data_ptr(), positions=pos.data_ptr(),
+            cos=m.rope.cos.data_ptr(), sin=m.rope.sin.data_ptr(), slots=slots.data_ptr(), row_ctx=ctx.data_ptr(),
+            row_req=req.data_ptr(), block_tables=tables.data_ptr()))
         return x

@@ -32,7 +32,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(dtype)
 
 
-def swiglu(x: torch.Tensor, gate_up: "Linear", down: "Linear") -> torch.Tensor:
+def swiglu(x: torch.Tensor, gate_up: Linear, down: Linear) -> torch.Tensor:
     """``down(silu(gate(x)) * up(x))`` with gate/up fused into one ``[2I, H]`` weight."""
     gu = gate_up(x)
     inter = gu.shape[-1] // 2
@@ -43,8 +43,9 @@ def _prepack(weight: torch.Tensor):
     """oneDNN-prepacked copy of ``weight`` for CPU fp32/bf16, or None (then F.linear is used).
 
     Why: MKL's fp32 sgemm behind F.linear is batch-variant (M=1 | 2-3 | >=4 row paths) and at
-    M=4 costs ~2.5x a gemv; oneDNN's prepacked fp32 linear is row-invariant for M >= 2 (and for
-    M=1 on most shapes) and as fast at M=1-4 as MKL's gemv (lm_head 576x49152: 3.0 ms vs 7.2 ms).
+    M=4 costs a multiple of a gemv; oneDNN's prepacked fp32 linear is row-invariant for M >= 2 (and
+    for M=1 on most shapes) and as fast at M=1-4 as MKL's gemv (figures: benches/RESULTS.md,
+    "Figures behind decisions in the source").
     ``TOKENBUDGET_NO_ONEDNN=1`` disables it.
     """
     if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)

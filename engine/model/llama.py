@@ -27,17 +27,15 @@ requests. Findings:
 
 * oneDNN fp32 linear with a PREPACKED weight (``torch.ops.mkldnn._linear_pointwise``): rows are
   bitwise invariant for every M >= 2 (M=1 differs only for some shapes, e.g. K=1536 -> 576), and
-  it is much faster than MKL at small M (576x49152: 3.0 ms at M=1, 3.7 ms at M=4, vs MKL
-  F.linear 7.2 ms at M=1 and 12.6 ms at M=4).
+  it is much faster than MKL at small M.
 
 Chosen approach: all linears go through oneDNN prepacked weights (``layers.Linear``; F.linear
 fallback elsewhere), ``forward`` pads the flat batch to ``pad_rows(T)`` rows (a multiple of 4;
 padding tokens: id 0, position 0, no KV write, output dropped) and ``compute_logits`` pads its rows
 likewise (``row_multiple``; a quantized model's kernels are invariant at any row count, so it
-sets 1 and is not padded: ``engine/model/quant.py``). Measured, SmolLM2-135M-shaped fp32 random
-model, batch-1 decode, 1 thread, shared 2-core box: MKL unpadded 23.5 tok/s (not invariant), MKL padded to 4: 14.2 tok/s, oneDNN padded
-to 4 (chosen): 32.7-34.6 tok/s, oneDNN unpadded 39.5 tok/s (not invariant). So invariance costs
-~15% against the fastest non-invariant path and is 1.4x faster than the MKL baseline.
+sets 1 and is not padded: ``engine/model/quant.py``). Invariance costs some speed against the
+fastest non-invariant path and is still faster than the MKL baseline (figures:
+benches/RESULTS.md, "Figures behind decisions in the source").
 """
 
 from __future__ import annotations
@@ -117,13 +115,10 @@ class LlamaForCausalLM(torch.nn.Module):
         self.row_multiple = Linear.row_multiple
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.cpu_forward = None  # the one-call C forward, set by quantize_model where it runs
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        if self.cpu_forward is not None and self.cpu_forward.accepts(kv_caches):
-            return rms_norm(self.cpu_forward(input_ids, positions, attn_metadata, kv_caches), self.norm, self.eps)
         t = input_ids.shape[0]
         tp = pad_rows(t, self.row_multiple)
         if tp != t:  # batch invariance: every GEMM sees a multiple-of-4 row count

@@ -6,9 +6,9 @@ its scales: the fp32 weight and its oneDNN-packed copy are dropped, so no second
 weights is kept. The token embedding stays a float table (it is a row lookup, not a GEMM).
 
 The lm_head is int8 in both modes (:data:`LM_HEAD_MODE`), as GGUF Q4 files keep it (the default
-model's tied embedding is Q8_0). Measured on the default model, 400 held tokens: perplexity fp32
-22.68, int4 blocks + int8 head 22.82, int4 blocks + int4 head 23.84; the int8 head costs ~12 %
-of int4 decode speed (31.4 vs 35.6 tok/s, 1 thread, shared machine).
+model's tied embedding is Q8_0): an int4 head costs far more perplexity than the int8 head costs
+decode speed (figures:
+benches/RESULTS.md, "Figures behind decisions in the source").
 
 Kernels, chosen per linear (``QuantLinear.kernel``):
 * ``native`` (where the CPU has AVX-512 VNNI, a C compiler is found and in_features is a multiple
@@ -16,9 +16,9 @@ Kernels, chosen per linear (``QuantLinear.kernel``):
   int8 inside the call (GGUF's Q8 activations, as llama.cpp does) and multiplied as integers
   (vpdpbusd); int4 weights are GGUF Q4_1's (codes, fp16 d and m per group of 32), laid out by
   blocks of 16 output columns (one register lane per column: no horizontal sums). When every
-  linear of the model runs natively, ``quantize_model`` also sets ``model.cpu_forward``: the
-  whole decoder in one C call (``engine/model/cpu_forward.py``). Measured, default model, batch-1
-  decode step: 16.5-28 ms -> 5.3-6.6 ms (benches/RESULTS.md, "C kernels on the CPU").
+  linear of the model runs natively, ``quantize_model`` also installs the whole decoder in one C
+  call around the model (``engine/model/cpu_forward.py``; figures: benches/RESULTS.md, "C kernels
+  on the CPU").
 * ``torch``: torch's CPU weight-only GEMMs. The activations enter the kernel in bf16 and its
   output is cast back to fp32: in torch 2.13 both kernels are vectorized (AVX-512) only for bf16
   inputs (with fp32 inputs they ran 20-40x slower than the fp32 oneDNN linear, ``benches/
@@ -33,15 +33,16 @@ Batch invariance: every kernel computes a row's outputs from that row alone for 
 1 included (torch's: measured for M in 1..19, 31, 33, 64, 70 on the default model's shapes, 1 and
 2 threads, ``benches/quant_kernels.py``; ours by construction; enforced by
 ``tests/test_batch_invariance.py`` and ``tests/test_cpu_kernels.py``). So a quantized model
-needs no row padding (``row_multiple = 1``): a batch-1 decode runs the kernels' M=1 path, which is
-1.5x faster than M=4 over the 30 layers of the default model (5.8 vs 8.5 ms, 2 threads).
+needs no row padding (``row_multiple = 1``): a batch-1 decode runs the kernels' M=1 path, faster
+than the M=4 one (figures:
+benches/RESULTS.md, "Figures behind decisions in the source").
 """
 
 from __future__ import annotations
 
 import torch
 
-from tokenbudget.engine.model.cpu_forward import CpuForward
+from tokenbudget.engine.model.cpu_forward import CpuForwardModel
 from tokenbudget.engine.model.layers import Linear
 from tokenbudget.kernels.cpu import quant_gemm as cpu_gemm
 
@@ -152,7 +153,8 @@ class QuantLinear:
 
 def quantize_model(model, mode: str):
     """Swap every ``Linear`` of ``model`` (a built ``LlamaForCausalLM`` on the CPU, fp32) for a
-    ``QuantLinear`` in place and return it; ``none`` returns it unchanged."""
+    ``QuantLinear`` in place and return it, wrapped in the C decoder forward where that runs
+    (``CpuForwardModel``: use the returned object); ``none`` returns it unchanged."""
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {'/'.join(QUANTIZATIONS)}, got {mode!r}")
     if mode == "none":
@@ -169,5 +171,4 @@ def quantize_model(model, mode: str):
     model.lm_head = q(model.lm_head, LM_HEAD_MODE)
     model.quantization = mode
     model.row_multiple = QuantLinear.row_multiple
-    model.cpu_forward = CpuForward.build(model)
-    return model
+    return CpuForwardModel.around(model)

@@ -24,7 +24,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tokenbudget.engine.api.errors import EngineDeadError, EngineOverloadedError, RequestError
+from tokenbudget.api.errors import EngineDeadError, EngineOverloadedError, RequestError
 from tokenbudget.engine.serve import protocol as proto
 from tokenbudget.engine.serve import responses as resp
 from tokenbudget.engine.serve.metrics import CONTENT_TYPE, ServerMetrics

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from tokenbudget.engine.api.sampling_params import RequestOutputKind, SamplingParams
+from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
 
 # OpenAI fields not mapped yet (the sampling-parity work adds them to SamplingParams), with the
 # value that means "not used".
@@ -28,7 +28,7 @@ NOT_MAPPED: dict[str, Any] = {"best_of": None, "echo": False, "suffix": None,
 def _structured_outputs(response_format: dict[str, Any] | None):
     """OpenAI's ``response_format`` as ``StructuredOutputsParams`` (None for plain text):
     ``{"type": "json_schema", "json_schema": {"schema": {...}, ...}}`` or ``{"type": "json_object"}``."""
-    from tokenbudget.engine.structured.params import StructuredOutputsParams
+    from tokenbudget.api.structured_params import StructuredOutputsParams
 
     kind = (response_format or {}).get("type", "text")
     try:

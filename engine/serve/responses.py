@@ -9,7 +9,7 @@ Shapes follow what the official ``openai`` client parses: ``text_completion`` /
 
 from __future__ import annotations
 
-from tokenbudget.engine.api.outputs import Logprob, RequestMetrics, RequestOutput
+from tokenbudget.api.outputs import Logprob, RequestMetrics, RequestOutput
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,

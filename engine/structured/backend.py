@@ -1,23 +1,23 @@
 """The grammar library behind one small interface, and the choice of library.
 
-Choice: **llguidance** (``benches/structured_backends.py``, results in ``benches/RESULTS.md``).
+Choice: **llguidance** (``benches/structured_backends.py``; figures in ``benches/RESULTS.md``).
 On this CPU and the default model's 49k-token vocabulary, against xgrammar 0.2.8:
 
-* compiling a schema and computing its first mask: ~0.8 ms median (llguidance builds lazily)
-  against ~10 ms (xgrammar precomputes per-state token caches), up to 7 ms against 140 ms;
-* mask per token: median ~17 us against ~3 us (xgrammar caches masks per state), but mean ~60 us
-  against ~210 us and p99 ~0.6 ms against ~6 ms: a verify row whose state is new pays xgrammar's
-  tail, and speculation makes new states common;
-* set-up on the vocabulary: ~0.3 s against ~1.5 s;
+* compiling a schema and computing its first mask is an order of magnitude faster (llguidance
+  builds lazily; xgrammar precomputes per-state token caches);
+* a mask per token is slower at the median (xgrammar caches masks per state) but faster in mean
+  and tail: a verify row whose state is new pays xgrammar's tail, and speculation makes new
+  states common;
+* set-up on the vocabulary is several times faster;
 * both roll back exactly (a mask after ``accept k, rollback k`` equals the earlier one);
 * llguidance has no Python dependencies (xgrammar pulls transformers, triton, pydantic and a
   TVM runtime), and it validates a grammar without a tokenizer, so ``SamplingParams`` can
   reject a bad schema at construction.
 
-The interface is what the engine needs and no more: a tokenizer-free ``grammar_source`` (the
-check at ``SamplingParams``), and per request a ``GrammarMatcher`` that fills a packed bitmask
-row, says how many of some tokens it would accept, consumes tokens, rolls back, and says when the
-output is complete.
+The interface is what the engine needs and no more: per request a ``GrammarMatcher`` (built from
+the tokenizer-free grammar source, ``api/grammar_source.py``, which is also the check at
+``SamplingParams``) that fills a packed bitmask row, says how many of some tokens it would
+accept, consumes tokens, rolls back, and says when the output is complete.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from tokenbudget.engine.structured.params import StructuredOutputsParams
+    pass
 
-__all__ = ["GrammarBackend", "GrammarMatcher", "grammar_source", "load_backend"]
+__all__ = ["GrammarBackend", "GrammarMatcher"]
 
 
 class GrammarMatcher(ABC):
@@ -72,15 +72,3 @@ class GrammarBackend(ABC):
     def matcher(self, source: str) -> GrammarMatcher:
         """A matcher at the start of ``source`` (from ``grammar_source``); ValueError naming
         ``structured_outputs`` when the grammar cannot be built on this vocabulary."""
-
-
-def grammar_source(params: StructuredOutputsParams) -> str:
-    """The backend's grammar for ``params`` (cached); ValueError naming the field when invalid."""
-    from tokenbudget.engine.structured.llguidance_backend import grammar_source as source
-    return source(params)
-
-
-def load_backend(tokenizer, vocab_size: int) -> GrammarBackend:
-    """The backend for ``tokenizer`` (an ``engine.text.Tokenizer``) and ``vocab_size`` logits."""
-    from tokenbudget.engine.structured.llguidance_backend import LLGuidanceBackend
-    return LLGuidanceBackend(tokenizer, vocab_size)

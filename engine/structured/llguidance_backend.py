@@ -3,59 +3,18 @@
 llguidance matchers never raise on user errors: a bad grammar or an illegal token puts the
 matcher into an error state it never leaves. So tokens are checked with ``validate_tokens``
 (which changes nothing) before they are consumed, and a grammar is checked when its source is
-built (``LLMatcher.validate_grammar``, tokenizer-free) and again when a matcher is built on the
-vocabulary.
+built (``LLMatcher.validate_grammar``, tokenizer-free: ``api/grammar_source.py``) and again
+when a matcher is built on the vocabulary.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from functools import lru_cache
 
 import llguidance
 import numpy as np
 
 from tokenbudget.engine.structured.backend import GrammarBackend, GrammarMatcher
-
-# json.dumps' default layout (see ``params``).
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def grammar_source(params) -> str:
-    kind = params.kind
-    value = getattr(params, kind)
-    if kind == "json":
-        value = value if isinstance(value, str) else json.dumps(value)
-    elif kind == "choice":
-        value = json.dumps(value)
-    return _source(kind, value)
-
-
-@lru_cache(maxsize=256)
-def _source(kind: str, text: str) -> str:
-    M = llguidance.LLMatcher
-    try:
-        if kind == "json":
-            source = M.grammar_from_json_schema(text, overrides=_JSON_OPTIONS)
-        elif kind == "json_object":
-            source = M.grammar_from_json_schema('{"type": "object"}', overrides=_JSON_OPTIONS)
-        elif kind == "regex":
-            source = M.grammar_from_regex(text)
-        elif kind == "choice":
-            source = llguidance.grammar_from("choice", text)
-        else:
-            source = llguidance.grammar_from("grammar", text)  # Lark, or GBNF converted to Lark
-    except ValueError as exc:
-        raise ValueError(f"structured_outputs.{kind}: {exc}") from None
-    error = M.validate_grammar(source)
-    if error:
-        raise ValueError(f"structured_outputs.{kind}: invalid {_WHAT[kind]}: {error.strip()}")
-    return source
-
-
-_WHAT = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regular expression",
-         "choice": "choice list", "grammar": "grammar"}
 
 
 class LLGuidanceMatcher(GrammarMatcher):
@@ -100,3 +59,8 @@ class LLGuidanceBackend(GrammarBackend):
         if m.is_error():
             raise ValueError(f"structured_outputs: the grammar cannot be used with this model: {m.get_error()}")
         return LLGuidanceMatcher(m)
+
+
+def load_backend(tokenizer, vocab_size: int) -> GrammarBackend:
+    """The backend for ``tokenizer`` (an ``engine.text.Tokenizer``) and ``vocab_size`` logits."""
+    return LLGuidanceBackend(tokenizer, vocab_size)

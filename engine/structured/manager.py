@@ -29,11 +29,14 @@ import time
 import numpy as np
 import torch
 
-from tokenbudget.engine.structured.backend import GrammarBackend, GrammarMatcher, grammar_source, load_backend
+from tokenbudget.api.grammar_source import grammar_source
+from tokenbudget.engine.structured.backend import GrammarBackend, GrammarMatcher
 from tokenbudget.engine.structured.bitmask import apply_bitmask
+from tokenbudget.engine.structured.llguidance_backend import load_backend
 from tokenbudget.scheduler.drafts import DraftBatch
 from tokenbudget.scheduler.output import EngineCoreOutput
 from tokenbudget.scheduler.request import Request, RequestStatus
+from tokenbudget.scheduler.stop import end_at
 
 
 class StructuredOutputs:
@@ -154,11 +157,7 @@ class StructuredOutputs:
 
 
 def _finish(entry: EngineCoreOutput, keep: int) -> None:
-    """End ``entry``'s request after its first ``keep`` tokens: the grammar is complete."""
-    if keep < len(entry.new_token_ids):
-        entry.new_token_ids = entry.new_token_ids[:keep]
-        if entry.new_logprobs is not None:
-            entry.new_logprobs = entry.new_logprobs[:keep]
-        entry.stop_reason = None
-    if entry.finish_status != RequestStatus.FINISHED_STOPPED:
-        entry.finish_status, entry.stop_reason = RequestStatus.FINISHED_STOPPED, None
+    """End ``entry``'s request after its first ``keep`` tokens: the grammar is complete (a stop
+    token that ended it at that same token stays its reason)."""
+    if keep < len(entry.new_token_ids) or entry.finish_status != RequestStatus.FINISHED_STOPPED:
+        end_at(entry, keep, RequestStatus.FINISHED_STOPPED, None)

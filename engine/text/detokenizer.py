@@ -19,7 +19,7 @@ yet streamed, holding back a tail that could still become a stop string.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from tokenbudget.engine.text.tokenizer import Tokenizer
 

@@ -2,8 +2,8 @@
 
 Two constructors: :meth:`Tokenizer.from_pretrained_dir` (a Hugging Face directory with
 ``tokenizer.json`` and ``tokenizer_config.json``, the chat template taken from
-``chat_template.jinja`` or ``tokenizer_config.json``) and :meth:`Tokenizer.from_gguf_metadata`
-(a GGUF file's ``tokenizer.*`` metadata, built by ``engine.loader.gguf_tokenizer``).
+``chat_template.jinja`` or ``tokenizer_config.json``) and ``gguf_tokenizer.build_gguf_tokenizer``
+(a GGUF file's ``tokenizer.*`` metadata; a function of that module, which builds on this one).
 
 Decisions (as in Hugging Face transformers):
 - ``encode(text, add_special_tokens=False)`` never adds BOS unless asked; special tokens written
@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, Iterable
+from typing import Any
 
 import tokenizers
 from jinja2.exceptions import TemplateError
@@ -86,7 +87,7 @@ class Tokenizer:
     # ---- constructors -------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained_dir(cls, path: str | os.PathLike[str]) -> "Tokenizer":
+    def from_pretrained_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """Load ``tokenizer.json`` (+ ``tokenizer_config.json``, ``chat_template.jinja``)."""
         path = os.fspath(path)
         tok_file = os.path.join(path, "tokenizer.json")
@@ -109,13 +110,6 @@ class Tokenizer:
                 template = f.read()
         return cls(backend, bos_token=_token_content(cfg.get("bos_token")),
                    eos_token=_token_content(cfg.get("eos_token")), chat_template=template)
-
-    @classmethod
-    def from_gguf_metadata(cls, metadata: dict[str, Any]) -> "Tokenizer":
-        """Build from a GGUF file's ``tokenizer.*`` metadata (decoded to Python values)."""
-        from tokenbudget.engine.loader.gguf_tokenizer import build_gguf_tokenizer
-
-        return build_gguf_tokenizer(metadata)
 
     # ---- vocabulary ---------------------------------------------------------------------
 
@@ -149,9 +143,6 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; incomplete UTF-8 sequences decode to U+FFFD."""

@@ -15,8 +15,8 @@ Streams: ``TARGET`` (the target's sample at a position), ``ACCEPT`` (rejection-t
 ``RESIDUAL`` (the recovered/bonus sample of a rejection-sampled verify), ``DRAFT`` (a model
 drafter's own samples for requests without a user seed).
 
-Cost: one generator re-seed per (request, position) plus ``V`` uniforms and a log (about 0.2 ms
-for V = 49152 on one CPU thread).
+Cost: one generator re-seed per (request, position) plus ``V`` uniforms and a log (figures:
+benches/RESULTS.md, "Figures behind decisions in the source").
 """
 
 from __future__ import annotations

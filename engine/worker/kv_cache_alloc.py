@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import torch
 
+from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.engine.worker.host_memory import available_memory_bytes
+
 CPU_KV_SHARE = 0.25          # of the memory available at start-up
 CPU_KV_CAP = 4 << 30         # like vLLM-CPU's default KV space (VLLM_CPU_KVCACHE_SPACE=4 GiB)
 CUDA_KV_SHARE = 0.5          # of the GPU memory free after the weights are loaded
 FALLBACK_KV_BYTES = 512 << 20
-
-from tokenbudget.engine.model.config import ModelConfig
-from tokenbudget.engine.worker.host_memory import available_memory_bytes
 
 
 def kv_cache_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -36,7 +36,7 @@ import inspect
 
 import torch
 
-from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.api.sampling_params import SamplingParams
 from tokenbudget.engine.worker.penalties import apply_penalties
 
 

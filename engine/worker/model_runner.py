@@ -14,7 +14,6 @@ nothing to free. Prompt logprobs come from the same forward (``prompt_logprobs``
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
@@ -55,8 +54,6 @@ class ModelRunner:
         self.attn_backend = attn_backend
         # engine.structured.manager.StructuredOutputs: grammar masks on the sampling rows.
         self.structured = structured
-        # (tokens, seconds) of the last step, for the draft-length controller's cost model.
-        self.last_step: tuple[int, float] | None = None
 
     # ---- one step ------------------------------------------------------------------------
     def prepare_inputs(self, sched: SchedulerOutput
@@ -84,7 +81,6 @@ class ModelRunner:
         req_ids = [sr.request_id for sr in sched.scheduled]
         if sched.is_empty:
             return ModelRunnerOutput(req_ids, [])
-        start = time.perf_counter()
         logits, batch, hidden = self._forward(sched)
         prompt_logprobs = None
         if wants_prompt_logprobs(sched):
@@ -103,9 +99,8 @@ class ModelRunner:
                 logprobs = [[] for _ in req_ids]
                 for i, lp in zip(owners, out.logprobs):
                     logprobs[i] = lp if lp is not None else []
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # the engine's step clock (the controller's cost model) sees the device work
             torch.cuda.synchronize()
-        self.last_step = (sched.total_num_scheduled_tokens, time.perf_counter() - start)
         return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
 
     @staticmethod

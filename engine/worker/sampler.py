@@ -4,7 +4,7 @@ Plain sampling is verification with zero drafts. ``Sampler.__call__`` takes the 
 logits of every row that needs sampling this step and one ``SamplingRow`` per request (with the
 token ids its rows' preparation needs), prepares every row with its own prefix
 (``logits_processing.prepare_logits``) and returns per request its accepted drafts plus one new
-token. ``spec.rejection_sampler.rejection_sample_reference`` (with a Triton twin on CUDA) applies
+token. ``kernels.rejection_ref.rejection_sample_reference`` (with a Triton twin on CUDA) applies
 the verification rule.
 
 Three kinds of request, each lossless (the output distribution is the target's):
@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-from tokenbudget.engine.api.sampling_params import SamplingParams
+from tokenbudget.api.sampling_params import SamplingParams
 from tokenbudget.engine.worker.keyed_random import (
     ACCEPT,
     RESIDUAL,
@@ -49,8 +49,8 @@ from tokenbudget.engine.worker.keyed_random import (
     race_argmax,
 )
 from tokenbudget.engine.worker.logits_processing import compute_target_probs, prepare_logits
+from tokenbudget.kernels.rejection_ref import PLACEHOLDER_TOKEN_ID
 from tokenbudget.kernels.rejection_triton import rejection_sample  # Triton on CUDA, torch reference elsewhere
-from tokenbudget.spec.rejection_sampler import PLACEHOLDER_TOKEN_ID
 
 __all__ = ["SamplingRow", "SamplerOutput", "TokenLogprob", "Sampler"]
 
@@ -116,9 +116,6 @@ class SamplerOutput:
 
     token_ids: list[list[int]]
     logprobs: list[list[TokenLogprob] | None] | None = None
-
-    def num_accepted(self, i: int) -> int:
-        return len(self.token_ids[i]) - 1
 
 
 class Sampler:

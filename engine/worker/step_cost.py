@@ -6,8 +6,8 @@ logits (T over a power-of-two grid: the decode/verify shape at batch 1, and the 
 bends), B one-row decode requests (per-request work), a decode and a verify after a long context
 (attention), and prefill chunks without logits (rows vs logit rows). Block ids 0.. are written
 with garbage KV: at start-up no request holds them, and every slot is written before it is read
-later. The grid stops at 256 rows and the long context at 1024 tokens to keep start-up short
-(~0.5 s on the C kernels); online updates from real steps take over from there.
+later. The grid stops at 256 rows and the long context at 1024 tokens to keep start-up short;
+online updates from real steps take over from there.
 
 The prior measures the runner only; the engine's online updates time the whole step (proposer,
 scheduler, sampler, outputs), so the model's level moves within a few dozen steps.
@@ -30,7 +30,8 @@ def _request(i: int, context: int, rows: int, block_size: int, first_block: int,
     tokens = [0] * rows
     blocks = list(range(first_block, first_block + -(-(context + rows) // block_size)))
     spec = tokens[1:] if needs_sample else []
-    return ScheduledRequest(f"__cost_probe_{i}__", context, tokens, spec, blocks, True, needs_sample)
+    return ScheduledRequest(request_id=f"__cost_probe_{i}__", num_computed_tokens=context, token_ids=tokens,
+                            spec_token_ids=spec, block_ids=blocks, is_new=True, needs_sample=needs_sample)
 
 
 def probe_steps(sched_config: SchedulerConfig, max_tokens: int = 256,

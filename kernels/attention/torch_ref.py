@@ -33,11 +33,10 @@ out ``[Hk, np, D]`` / ``[Hk, np, D + 1]`` with the ones column already set -- so
 gathers its keys and values into the buffers (the padding stays zero), scores with one
 ``baddbmm`` (scale and mask folded in), and does max / exp / one P @ [V | 1] GEMM per key tile.
 The G query heads of a kv head share its GEMM rows position-major (``M = round_up(G * q_len,
-4)``), so a decode scores 4 rows, not 4 G. Measured on the default model's shape (9 heads, 3 kv
-heads), one decode row at 170 keys, 1 thread: 247 us per layer before, 110 us after.
-Tried and dropped: attending all one-token requests of a step in one batched GEMM set (bitwise
-the same rows, but no faster at 64 x 200 keys: the gather of the context dominates, 11 ms either
-way).
+4)``), so a decode scores 4 rows, not 4 G. Tried and dropped: attending all one-token requests
+of a step in one batched GEMM set (bitwise the same rows, but no faster: the gather of the
+context dominates). Figures:
+benches/RESULTS.md, "Figures behind decisions in the source".
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """The C kernels of this folder, compiled at first use and loaded with ctypes.
 
-Why not a torch C++ extension: compiling against torch's headers takes about a minute, this file
-compiles in under two seconds with the system C compiler and needs nothing from torch. The
-library is cached under ``$TOKENBUDGET_CACHE`` (default ``~/.cache/tokenbudget``) keyed by the
-source, the flags and the compiler, and is written atomically (concurrent first uses are safe).
+Two roles, two files, one library: ``quant_gemm.c`` (the weight-only GEMMs) and
+``decoder_forward.c`` (the whole decoder in one call, built on those GEMMs through
+``quant_gemm.h``). Why not a torch C++ extension: compiling against torch's headers is slow, these
+files compile with the system C compiler in seconds and need nothing from torch (benches/RESULTS.md).
+The library is cached under ``$TOKENBUDGET_CACHE`` (default ``~/.cache/tokenbudget``) keyed by the
+sources, the flags and the compiler, and is written atomically (concurrent first uses are safe).
 
 ``library()`` returns None — and callers keep torch's kernels — when the CPU lacks AVX-512 VNNI,
 no C compiler is found, the build fails (logged once), or ``TOKENBUDGET_NATIVE=0``. The library
@@ -23,9 +25,13 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from tokenbudget.api.paths import cache_dir
+
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("quant_gemm.c")
+# One library: the GEMMs, and the decoder forward that calls them (through quant_gemm.h).
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant_gemm.c", "decoder_forward.c"))
+HEADERS = (Path(__file__).with_name("quant_gemm.h"),)
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "avx2", "f16c")
 CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mavx2", "-mf16c",
           "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -38,8 +44,8 @@ _SIGNATURES = {
     "tb_gemm_q8": ([_P, _I64, _I64, _P, _P, _I64, _P, _INT], _INT),
     # x, m, k, q, d
     "tb_quantize_rows": ([_P, _I64, _I64, _P, _P], None),
-    # dims, fparams, layers, x, positions, cos, sin, slots, row_ctx, row_req, block_tables
-    "tb_forward": ([_P] * 11, _INT),
+    # one TbForward struct (decoder_forward.py mirrors it)
+    "tb_forward": ([_P], _INT),
 }
 
 
@@ -60,13 +66,13 @@ def _compiler() -> str | None:
 
 
 def _cache_dir() -> Path:
-    from tokenbudget.engine.loader.default_model import cache_dir  # the one cache root (light module)
     return Path(cache_dir()) / "native"
 
 
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *CFLAGS, version]).encode()).hexdigest()[:16]
+    texts = [p.read_text() for p in (*SOURCES, *HEADERS)]
+    key = hashlib.sha256("\0".join([*texts, *CFLAGS, version]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"tb_cpu_{key}.so"
     if out.exists():
         return out
@@ -74,7 +80,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, check=True)
+        subprocess.run([cc, *CFLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True, check=True)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -96,7 +102,7 @@ def library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(_build(cc)))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        log.warning("building %s failed, the CPU quantized GEMMs use torch's kernels: %s", SOURCE.name, detail)
+        log.warning("building the C kernels failed, the CPU quantized GEMMs use torch's kernels: %s", detail)
         return None
     for name, (args, res) in _SIGNATURES.items():
         fn = getattr(lib, name)

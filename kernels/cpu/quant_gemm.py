@@ -4,7 +4,8 @@ Formats (the C file's header has the details): ``Q4Weight`` is GGUF Q4_1's arith
 (``w = q * d + m`` per group of 32 input columns, q in [0, 15], fp16 d and m), ``Q8Weight``
 symmetric int8 per output channel (stored offset by +128); both laid out by blocks of 16 output
 columns, so that one register lane holds 4 inputs of one column. Activations are quantized per
-row and group of 32 inside the call. ``dequantize`` of either gives the weights the kernel multiplies by, for references in tests.
+row and group of 32 inside the call. ``dequantize`` of either gives the weights the kernel
+multiplies by, for references in tests.
 """
 
 from __future__ import annotations

@@ -1,0 +1,60 @@
+"""``tokenbudget serve [MODEL]``: the OpenAI-compatible server (needs the ``serve`` extra).
+
+    tokenbudget serve --port 8000 --api-key secret --spec-method ngram --num-spec-tokens 4
+
+Engine options are ``LLM``'s, as flags; speculation flags are ``generate``'s. Binds 127.0.0.1
+unless ``--host`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+
+from tokenbudget.cli.generate import speculative_config_from_args
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (pip install 'tokenbudget[serve]')")
+    p.add_argument("model", nargs="?", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("TOKENBUDGET_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $TOKENBUDGET_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="model name in the API (default: the file's name)")
+    p.add_argument("--grace-period", type=float, default=30.0, help="seconds to drain requests on SIGTERM")
+    p.add_argument("--spec-method", choices=["ngram", "suffix", "draft_model", "self_draft"])
+    p.add_argument("--num-spec-tokens", default=None, help="drafts per step, or 'auto'")
+    p.add_argument("--speculative-config", help="full speculative_config as JSON (overrides --spec-*)")
+    p.add_argument("--no-spec", action="store_true", help="disable speculative decoding")
+    for flag, kind in (("--dtype", str), ("--device", str), ("--max-model-len", int), ("--max-num-seqs", int),
+                       ("--max-num-batched-tokens", int), ("--kv-cache-memory-bytes", int), ("--block-size", int),
+                       ("--scheduling-policy", str), ("--num-threads", int), ("--seed", int),
+                       ("--long-prefill-token-threshold", int), ("--max-queued-requests", int),
+                       ("--max-queued-tokens", int)):
+        p.add_argument(flag, type=kind, default=None, help="EngineConfig option (default: the engine's)")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--cuda-graphs", action="store_true", help="CUDA only: capture decode batches in CUDA graphs")
+    p.set_defaults(run=run)
+
+
+_ENGINE_FLAGS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
+                 "block_size", "scheduling_policy", "num_threads", "seed", "long_prefill_token_threshold",
+                 "max_queued_requests", "max_queued_tokens")
+
+
+def run(args) -> int:
+    try:
+        from tokenbudget.engine.serve.server import serve
+    except ImportError as exc:
+        raise ValueError(f"tokenbudget serve needs the serve extra: pip install 'tokenbudget[serve]' ({exc})") from None
+    from tokenbudget.engine.entrypoints.async_llm import AsyncLLM
+    options = {name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name) is not None}
+    if args.no_prefix_caching:
+        options["enable_prefix_caching"] = False
+    if args.cuda_graphs:
+        options["cuda_graphs"] = True
+    options["speculative_config"] = speculative_config_from_args(args)
+    llm = AsyncLLM(args.model, **options)
+    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
+                                      else "SmolLM2-135M-Instruct")
+    return serve(llm, name, host=args.host, port=args.port, api_key=args.api_key, grace_period=args.grace_period)

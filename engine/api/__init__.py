@@ -1,2 +1,0 @@
-"""What users hold: ``LLM`` (offline batches), ``LLMEngine`` (a step loop of their own),
-``AsyncLLM`` (servers), the options (``EngineConfig``, ``SamplingParams``) and the outputs."""

@@ -1,1 +1,0 @@
-"""The ``tokenbudget`` console script (``main``) and its sub-commands, one module each."""

@@ -1,0 +1,211 @@
+"""``AsyncLLM``: streamed generation for servers.
+
+    llm = AsyncLLM()
+    stream = llm.add_request("r1", "Hello", SamplingParams(max_tokens=64))   # ValueError here
+    async for out in stream:
+        print(out.outputs[0].text)
+
+    async for out in llm.generate("Hello", SamplingParams(max_tokens=64)):  # the same, one call
+        ...
+
+``add_request`` validates and tokenizes at once, in the caller's thread, so a bad request is a
+``ValueError`` before anything streams; it returns the request's ``RequestStream``. One
+background task steps the engine in a worker thread (the event loop never blocks on a forward
+pass) and hands each step's outputs to the streams. Requests and aborts reach the engine
+between steps, inside that worker call, so the engine is only ever touched by one thread.
+
+Ending: ``abort(id)`` ends that stream at once with a final "abort" output; closing or
+cancelling a consumer aborts its request; an errored request's stream raises ``RequestError``;
+once the engine is dead every stream and every later call raises ``EngineDeadError``.
+
+Figures: after every step the worker thread takes an ``EngineStats`` snapshot; ``get_stats()``
+answers from it while the loop runs (the event loop never reads the engine mid-step). Admission
+control (``max_queued_requests`` / ``max_queued_tokens``) counts the waiting requests of that
+snapshot plus the requests accepted since (``_transit``, cleared once a snapshot includes them):
+``add_request`` raises ``EngineOverloadedError`` past either bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from tokenbudget.api.errors import EngineDeadError
+from tokenbudget.api.outputs import RequestOutput
+from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
+from tokenbudget.engine.core.prompts import PromptInput
+from tokenbudget.engine.core.stats import EngineStats, check_admission
+from tokenbudget.engine.entrypoints.llm_engine import LLMEngine
+from tokenbudget.engine.entrypoints.stream import RequestStream
+
+logger = logging.getLogger("tokenbudget")
+
+
+class AsyncLLM:
+    def __init__(self, model=None, **options: Any) -> None:
+        self.engine = LLMEngine(model=model, **options)
+        self._streams: dict[str, RequestStream] = {}
+        self._inbox_lock = threading.Lock()
+        self._pending_adds: list[tuple[Any, str | None]] = []
+        self._pending_aborts: list[str] = []
+        self._loop_task: asyncio.Task | None = None
+        self._ids = itertools.count()
+        self._stats: EngineStats = self.engine.get_stats()  # the snapshot after the latest step
+        self._transit = [0, 0]  # requests, prompt tokens accepted but not yet in a snapshot
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str | None, prompt: PromptInput, sampling_params: SamplingParams | None = None,
+                    priority: int = 0) -> RequestStream:
+        """Validate, tokenize and queue a request; its stream. ValueError (nothing queued) for a
+        bad request, ``EngineDeadError`` once the engine is dead, ``EngineOverloadedError`` past
+        the admission bounds. Call from the event loop."""
+        arrival = time.monotonic()
+        self.engine.core.raise_if_dead()
+        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+        if rid in self._streams:
+            raise ValueError(f"duplicate request_id {rid!r}: a request with this id is still running")
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.CUMULATIVE
+        if isinstance(params, SamplingParams) and kind != RequestOutputKind.FINAL_ONLY:
+            params = msgspec.structs.replace(params, output_kind=RequestOutputKind.DELTA)  # streams merge
+        text, request = self.engine.make_request(rid, prompt, params, priority)
+        n_transit, tokens_transit = self._transit
+        if self.engine.config.admission_control:
+            stats = self.get_stats()
+            check_admission(self.engine.config, stats.num_waiting + n_transit,
+                            stats.num_waiting_tokens + tokens_transit, request.num_prompt_tokens)
+        self._transit = [n_transit + 1, tokens_transit + request.num_prompt_tokens]
+        stream = RequestStream(rid, kind, self.abort, request.sampling_params.n)
+        self._streams[rid] = stream
+        with self._inbox_lock:
+            self._pending_adds.append((request, text, arrival))
+        self._ensure_loop()
+        return stream
+
+    async def generate(self, prompt: PromptInput, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """``add_request`` and iterate its stream; closing the iterator early aborts the request.
+        A bad request raises ValueError at the first iteration."""
+        stream = self.add_request(request_id, prompt, sampling_params, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
+             request_id: str | None = None, add_generation_prompt: bool = True) -> RequestStream:
+        """``add_request`` with the model's chat template applied to ``messages``."""
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.add_request(request_id, prompt, sampling_params)
+
+    def abort(self, request_id: str) -> None:
+        """End a request's stream now (final output "abort") and free it in the engine before the
+        next step. Unknown or finished ids are ignored."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        stream.abort()
+        with self._inbox_lock:
+            self._pending_aborts.append(request_id)
+        self._ensure_loop()
+
+    def is_healthy(self) -> bool:
+        return self.engine.is_healthy()
+
+    def get_stats(self) -> EngineStats:
+        """Engine-wide figures (``EngineStats``): the snapshot after the latest step while the
+        loop runs, a fresh one when it is idle."""
+        if self._loop_task is None or self._loop_task.done():
+            stats = self.engine.get_stats()
+        else:
+            stats = self._stats
+        if stats.healthy and not self.engine.is_healthy():
+            stats = msgspec.structs.replace(stats, healthy=False)
+        return stats
+
+    # ------------------------------------------------------------------ the loop
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    def _take_inbox(self) -> tuple[list, list[str]]:
+        with self._inbox_lock:
+            adds, self._pending_adds = self._pending_adds, []
+            aborts, self._pending_aborts = self._pending_aborts, []
+        return adds, aborts
+
+    def _step(self, adds: list, aborts: list[str]) -> tuple[list[RequestOutput], list[tuple[str, Exception]]]:
+        """In the worker thread: apply the inbox, then one engine step."""
+        engine, rejected = self.engine, []
+        aborted = set(aborts)
+        for request, text, arrival in adds:
+            if request.request_id in aborted:
+                continue  # aborted before it reached the engine
+            try:
+                engine.add_made_request(request, text, arrival)
+            except ValueError as exc:
+                rejected.append((request.request_id, exc))
+        for rid in aborts:
+            engine.core.abort_request(rid)
+        outputs = engine.step() if engine.has_unfinished_requests() else []
+        self._stats = engine.get_stats()
+        return outputs, rejected
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                adds, aborts = self._take_inbox()
+                try:
+                    outputs, rejected = await asyncio.to_thread(self._step, adds, aborts)
+                finally:  # the snapshot counts them now (or they are gone)
+                    self._transit = [self._transit[0] - len(adds),
+                                     self._transit[1] - sum(r.num_prompt_tokens for r, _, _ in adds)]
+                for rid, exc in rejected:
+                    stream = self._streams.pop(rid, None)
+                    if stream is not None:
+                        stream.fail(exc)
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.put(out)
+                        if out.finished:
+                            del self._streams[out.request_id]
+                if not self.engine.has_unfinished_requests():
+                    with self._inbox_lock:
+                        if not self._pending_adds and not self._pending_aborts:
+                            return
+        except EngineDeadError as exc:
+            self._fail_all(exc)
+        except BaseException as exc:  # a bug in the loop itself: no stream may hang on it
+            logger.exception("tokenbudget: AsyncLLM loop failed")
+            self._fail_all(exc if isinstance(exc, Exception) else EngineDeadError(f"engine loop ended: {exc!r}"))
+            raise
+
+    def _fail_all(self, exc: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.fail(exc)
+
+    async def shutdown(self) -> None:
+        """Abort every request and wait for the loop to finish."""
+        for rid in list(self._streams):
+            self.abort(rid)
+        task = self._loop_task
+        if task is not None and not task.done():
+            await task
+
+    def get_spec_stats(self):
+        return self.engine.get_spec_stats()

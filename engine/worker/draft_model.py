@@ -1,0 +1,273 @@
+"""Model drafters: a separate small model ("draft_model") or the target's first N layers ("self_draft").
+
+Per engine step, for the decoding requests the speculator hands over (every committed token but
+the last has target KV: ``num_computed_tokens == L - 1`` with ``L = len(all_token_ids)``):
+
+1. Catch-up. Each request's drafter KV is valid for positions ``[0, num_draft_computed)``, with
+   ``num_draft_computed`` clamped to the request's ``num_computed_tokens`` every step (drafter
+   positions past it hold drafts that were rejected, or were never verified, and are simply
+   overwritten). The drafter runs positions ``[num_draft_computed, L)`` (committed tokens) and
+   samples draft 1 from the logits at ``L - 1``. Catch-up chunks of all requests share one flat
+   forward, split into rounds of at most ``max_num_batched_tokens`` tokens (a request seen for
+   the first time recomputes its whole prefix, like a prefill).
+2. k - 1 batched single-token forwards: draft j is fed at position ``L - 1 + j`` and draft j + 1
+   sampled from its logits. Positions written: up to ``L + k - 2``, which the scheduler's
+   lookahead reservation (``num_lookahead_tokens = max_spec_tokens``) covers.
+   Afterwards ``num_draft_computed = L + k - 1``.
+
+Why the clamp is exact: after a verify that accepted a of the drafts, ``num_computed_tokens ==
+L + a`` and drafter positions ``L .. L + a - 1`` hold the accepted drafts, i.e. the committed
+tokens; position ``L + a`` onwards holds a rejected draft (or nothing).
+
+When the drafter's KV is thrown away (``num_draft_computed = 0``):
+* first sight of a request. Prefix-cache hits give a new request the target's KV of a shared
+  prefix, but the drafter's KV in those blocks may be missing (the earlier request was never
+  drafted, or the blocks were evicted and reused), so the drafter recomputes the prefix. Writing
+  a shared block's drafter slots again is harmless: same tokens, same positions, same values.
+* preemption (``request.num_preemptions`` changed): the request's blocks were freed and it was
+  recomputed into new ones.
+
+Sampling: each drafter row is first prepared like the target's (``logits_processing.
+prepare_logits``: bans, bias, logits processors, penalties, with the request's committed output
+plus the drafts so far as its context), so a drafter proposes what the request may produce.
+Greedy requests (``params.is_greedy``) take the drafter's argmax (ties: lowest id) and get no
+probabilities (greedy verification never reads q). Random requests draw from q = softmax of the
+prepared drafter logits processed with the request's own temperature / min-p / top-k / top-p
+(``logits_processing.compute_target_probs``, the same processing p gets) by the exponential
+race with keyed noise (``engine.worker.keyed_random``):
+* a request with a user seed uses the target's own noise for that position (stream TARGET), and
+  no probabilities are handed over: the sampler verifies it with the coupled rule (accept while
+  the draft equals the target's keyed sample), so its output is exactly plain decoding's;
+* other random requests use the drafter's stream (DRAFT) and hand q ([k, V] float32) to the
+  rejection sampler, which accepts more often; the output distribution is the target's.
+
+Transactions: ``propose`` records the drafter state of every request it touches; ``rollback``
+puts those records back (the drafter KV they describe was not overwritten: a step only writes
+positions at or past them), ``commit`` drops them.
+
+Measured (self_draft on SmolLM2-135M-Instruct Q4_1, 30 layers, greedy, k = 4, 5 chat prompts,
+max_tokens 64, 187 tokens; outputs identical to plain decoding in every row):
+
+    draft_num_layers   4      8      15     22     27     30
+    alpha              0.004  0.006  0.025  0.078  0.287  1.000
+    tau                1.02   1.02   1.10   1.30   2.14   4.89
+
+The first N layers + final norm + lm head of an untrained model ("logit lens") predict the
+next token poorly until N is close to L; self-drafting pays off only with a model trained for
+early exit (LayerSkip) or with an adapter. N = L accepting everything is the check that the
+drafter's KV bookkeeping is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tokenbudget.engine.worker.draft_runner import DraftRunner
+from tokenbudget.engine.worker.keyed_random import DRAFT, TARGET, keyed_exponential, race_argmax
+from tokenbudget.engine.worker.logits_processing import compute_target_probs, prepare_logits
+from tokenbudget.engine.worker.sampler import SamplingRow
+from tokenbudget.scheduler.drafts import draft_limit
+from tokenbudget.scheduler.request import Request
+from tokenbudget.spec.proposer import BaseProposer
+
+
+@dataclass(slots=True)
+class _DraftState:
+    num_computed: int = 0          # drafter KV valid for positions [0, num_computed) (pre-clamp)
+    num_preemptions: int = 0
+
+
+class DraftModelProposer(BaseProposer):
+    """Drafts with a model through :class:`DraftRunner`; block tables come from ``kv_manager``."""
+
+    def __init__(self, runner: DraftRunner, kv_manager, max_model_len: int,
+                 max_batch_tokens: int = 2048) -> None:
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        self.runner = runner
+        self.kv = kv_manager
+        self.max_model_len = max_model_len
+        self.max_batch_tokens = max_batch_tokens
+        self._state: dict[str, _DraftState] = {}
+        self._undo: dict[str, tuple[int, int] | None] = {}  # this step's touched states, as they were
+        self._probs: list[torch.Tensor | None] | None = None
+        # Counters (for tests and benchmarks): tokens the drafter ran, split by kind.
+        self.num_catchup_tokens = 0
+        self.num_draft_forward_tokens = 0
+
+    @classmethod
+    def from_config(cls, spec_config, max_model_len: int, target, scheduler) -> DraftModelProposer:
+        """``target``: the engine's ``TargetModel``; ``scheduler``: its scheduler (block tables)."""
+        if target is None or scheduler is None:
+            raise ValueError(f"speculative_config['method'] {spec_config.method!r} needs the "
+                             "loaded target model")
+        sched_cfg = scheduler.config
+        common = (sched_cfg.num_blocks, sched_cfg.block_size, target.dtype, target.device)
+        tcfg = target.config
+        if spec_config.method == "self_draft":
+            n = spec_config.draft_num_layers
+            if n > tcfg.num_hidden_layers:
+                raise ValueError(f"speculative_config['draft_num_layers'] {n} exceeds the target's "
+                                 f"{tcfg.num_hidden_layers} layers")
+            runner = DraftRunner.self_draft(target.model, tcfg, n, *common)
+        elif spec_config.method == "draft_model":
+            runner = _load_draft_model(spec_config.model, tcfg, max_model_len, common)
+        else:
+            raise ValueError(f"speculative_config['method'] {spec_config.method!r} is not a model drafter")
+        return cls(runner, scheduler.kv, max_model_len, sched_cfg.max_num_batched_tokens)
+
+    # ---- Proposer interface ----
+    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
+        if len(requests) != len(num_tokens):
+            raise ValueError(f"num_tokens has {len(num_tokens)} entries for {len(requests)} requests")
+        drafts: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor] | None] = [None for _ in requests]
+        ks = [draft_limit(r, self.max_model_len, k) for r, k in zip(requests, num_tokens)]
+        active = [i for i, k in enumerate(ks) if k > 0]
+        if active:
+            for i in active:  # q only for rejection sampling (random requests without a user seed)
+                if _is_random(requests[i]) and requests[i].sampling_params.seed is None:
+                    probs[i] = []
+            self._catch_up(requests, active, drafts, probs)
+            for j in range(1, max(ks[i] for i in active)):
+                rows = [i for i in active if ks[i] > j]
+                chunks = [self.runner.chunk(requests[i], requests[i].num_tokens - 1 + j,
+                                            [drafts[i][-1]], self.kv.get_block_ids(requests[i].request_id),
+                                            True) for i in rows]
+                self.num_draft_forward_tokens += len(rows)
+                self._sample(self.runner.forward(chunks), requests, rows, drafts, probs)
+            for i in active:
+                self._state[requests[i].request_id].num_computed = requests[i].num_tokens + ks[i] - 1
+        self._probs = [torch.stack(p) if p else None for p in probs]
+        return drafts
+
+    def take_draft_probs(self) -> list[torch.Tensor | None] | None:
+        """Per request of the last ``propose``: q ``[len(drafts), V]`` float32, or None (greedy
+        request, or no drafts). Handed over once."""
+        probs, self._probs = self._probs, None
+        return probs
+
+    def on_finished(self, request: Request) -> None:
+        self._state.pop(request.request_id, None)
+
+    def commit(self) -> None:
+        self._undo.clear()
+
+    def rollback(self) -> None:
+        for rid, saved in self._undo.items():
+            if saved is None:
+                self._state.pop(rid, None)
+            else:
+                self._state[rid] = _DraftState(*saved)
+        self._undo.clear()
+        self._probs = None
+
+    @property
+    def num_tracked_requests(self) -> int:
+        return len(self._state)
+
+    # ---- internals ----
+    def _state_of(self, request: Request) -> _DraftState:
+        rid = request.request_id
+        st = self._state.get(rid)
+        if rid not in self._undo:
+            self._undo[rid] = None if st is None else (st.num_computed, st.num_preemptions)
+        if st is None:
+            st = self._state[rid] = _DraftState(num_preemptions=request.num_preemptions)
+        if st.num_preemptions != request.num_preemptions:  # recomputed into new blocks
+            st.num_preemptions = request.num_preemptions
+            st.num_computed = 0
+        st.num_computed = min(st.num_computed, request.num_computed_tokens)
+        return st
+
+    def _catch_up(self, requests, active: list[int], drafts, probs) -> None:
+        """Run committed positions [num_draft_computed, L) of every active request (rounds of at
+        most ``max_batch_tokens`` tokens) and sample each request's first draft."""
+        start = {i: self._state_of(requests[i]).num_computed for i in active}
+        todo = list(active)
+        while todo:
+            budget, chunks, rows = self.max_batch_tokens, [], []
+            for i in todo:
+                if budget <= 0:
+                    break
+                req = requests[i]
+                end = req.num_tokens
+                n = min(end - start[i], budget)
+                sample = start[i] + n == end
+                chunks.append(self.runner.chunk(req, start[i], req.all_token_ids[start[i]:start[i] + n],
+                                                self.kv.get_block_ids(req.request_id), sample))
+                if sample:
+                    rows.append(i)
+                start[i] += n
+                budget -= n
+            self.num_catchup_tokens += sum(c.num_tokens for c in chunks)
+            logits = self.runner.forward(chunks)
+            if rows:
+                self._sample(logits, requests, rows, drafts, probs)
+            todo = [i for i in todo if start[i] < requests[i].num_tokens]
+
+    def _sample(self, logits: torch.Tensor, requests, rows: list[int], drafts, probs) -> None:
+        """Append one draft per row (``logits[r]`` belongs to request ``rows[r]``)."""
+        logits = prepare_logits(logits, [_draft_row(requests[i], drafts[i]) for i in rows])
+        greedy = [r for r, i in enumerate(rows) if not _is_random(requests[i])]
+        if greedy:
+            idx = torch.tensor(greedy, dtype=torch.long, device=logits.device)
+            for r, t in zip(greedy, logits[idx].argmax(dim=-1).tolist()):
+                drafts[rows[r]].append(t)
+        rand = [r for r, i in enumerate(rows) if _is_random(requests[i])]
+        if not rand:
+            return
+        idx = torch.tensor(rand, dtype=torch.long, device=logits.device)
+        q = compute_target_probs(logits[idx], [requests[rows[r]].sampling_params for r in rand])
+        noise = []
+        for r in rand:
+            req = requests[rows[r]]
+            position = req.num_tokens + len(drafts[rows[r]])  # the index the draft will take
+            stream = TARGET if req.sampling_params.seed is not None else DRAFT
+            noise.append(keyed_exponential(req.seed, position, q.shape[1], q.device, stream))
+        for qi, (r, tok) in enumerate(zip(rand, race_argmax(q, torch.stack(noise)).tolist())):
+            i = rows[r]
+            drafts[i].append(tok)
+            if probs[i] is not None:
+                probs[i].append(q[qi])
+
+
+def _draft_row(request: Request, drafts: list[int]) -> SamplingRow:
+    """The row preparation context of the request's next draft (after ``drafts``)."""
+    params = request.sampling_params
+    banned = request.min_tokens_banned
+    if params is None or not (params.needs_row_preparation or banned):
+        return SamplingRow(params)
+    uses_prompt = params.repetition_penalty != 1.0 or params.logits_processors
+    return SamplingRow(params, num_output_tokens=request.num_output_tokens + len(drafts), banned_token_ids=banned,
+                       prompt_token_ids=request.prompt_token_ids if uses_prompt else (),
+                       output_token_ids=request.output_token_ids + drafts,
+                       bad_words_token_ids=request.bad_words_token_ids)
+
+
+def _is_random(request: Request) -> bool:
+    params = request.sampling_params
+    return params is not None and not params.is_greedy
+
+
+def _load_draft_model(path: str, target_config, max_model_len: int, common) -> DraftRunner:
+    from tokenbudget.engine.loader import load_model_files
+    from tokenbudget.engine.model import build_model
+
+    num_blocks, block_size, dtype, device = common
+    loaded = load_model_files(path, dtype=dtype)
+    cfg = loaded.config
+    if cfg.vocab_size != target_config.vocab_size:
+        raise ValueError(f"speculative_config['model'] {path!r} has vocab_size {cfg.vocab_size}, "
+                         f"the target has {target_config.vocab_size}: a drafter must share the "
+                         "target's vocabulary")
+    if cfg.max_position_embeddings < max_model_len:
+        raise ValueError(f"speculative_config['model'] {path!r} supports "
+                         f"{cfg.max_position_embeddings} positions, less than max_model_len="
+                         f"{max_model_len}")
+    model = build_model(cfg, loaded.state_dict, dtype, device)
+    loaded.state_dict.clear()
+    return DraftRunner(model, cfg, num_blocks, block_size, dtype, device)
