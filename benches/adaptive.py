@@ -75,8 +75,8 @@ def worker(args) -> dict:
     import torch
 
     from tokenbudget import LLM
-    from tokenbudget.engine.core.wiring import _build_speculator
     from tokenbudget.api.spec_config import SpeculativeConfig
+    from tokenbudget.engine.core.wiring import _build_speculator
     from tokenbudget.spec.speculator import Speculator
 
     llm = LLM(num_threads=args.threads, enable_prefix_caching=False,
@@ -124,8 +124,8 @@ def worker(args) -> dict:
                 if label != PLAIN:
                     ids_l = r.pop("token_ids")
                     r["equal_plain"] = sum(a == p for a, p in zip(ids_l, plain_ids))
-            cell = {"workload": workload, "batch": b, "batches": groups, "threads": args.threads, "kernels": args.kernels,
-                    "native_forward": native, "load_start": load0, "load_end": os.getloadavg()[0],
+            cell = {"workload": workload, "batch": b, "batches": groups, "threads": args.threads,
+                    "kernels": args.kernels, "native_forward": native, "load_start": load0, "load_end": os.getloadavg()[0],
                     "prompt_tokens": sum(len(i) for i in ids), "runs": runs}
             cells.append(cell)
             print(" ".join([f"{SHORT[workload]:>9} B={b:<3}"] + [f"{lab}={runs[lab]['tok_s']:7.1f}" for lab in cfgs]

@@ -37,8 +37,8 @@ much as a 100 ms one: the controller compares ratios), over two sources of evide
   ``1 / (1 - forget)`` steps while directions the recent steps do not excite (e.g. draft rows
   when nobody drafted lately) keep the prior's answer instead of drifting.
 
-Non-negativity is enforced by Lawson-Hanson's active-set method on the normal equations. A single measurement is clipped to within
-``max_update_factor`` of the current prediction before it is folded in (a GC pause or a
+Non-negativity is enforced by Lawson-Hanson's active-set method on the normal equations. A single
+measurement is clipped to within ``max_update_factor`` of the current prediction before it is folded in (a GC pause or a
 neighbour's burst must not teach the model that a decode step costs 50 ms).
 
 The controller asks two things: ``cost(shapes)`` and the decomposition ``draft_costs`` that lets

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tokenbudget.api.spec_config import SpeculativeConfig
 from tokenbudget.scheduler.request import Request
 from tokenbudget.spec.acceptance import AcceptanceEstimator
 from tokenbudget.spec.adaptive import (
@@ -18,7 +19,6 @@ from tokenbudget.spec.adaptive import (
     expected_tokens,
     optimal_draft_lengths,
 )
-from tokenbudget.api.spec_config import SpeculativeConfig
 from tokenbudget.spec.cost_model import StepShape, request_attention, synthetic_model
 
 
