@@ -125,8 +125,8 @@ def worker(args) -> dict:
                     ids_l = r.pop("token_ids")
                     r["equal_plain"] = sum(a == p for a, p in zip(ids_l, plain_ids))
             cell = {"workload": workload, "batch": b, "batches": groups, "threads": args.threads,
-                    "kernels": args.kernels, "native_forward": native, "load_start": load0, "load_end": os.getloadavg()[0],
-                    "prompt_tokens": sum(len(i) for i in ids), "runs": runs}
+                    "kernels": args.kernels, "native_forward": native, "load_start": load0,
+                    "load_end": os.getloadavg()[0], "prompt_tokens": sum(len(i) for i in ids), "runs": runs}
             cells.append(cell)
             print(" ".join([f"{SHORT[workload]:>9} B={b:<3}"] + [f"{lab}={runs[lab]['tok_s']:7.1f}" for lab in cfgs]
                            + [f"auto/best={_ratio(cell):.3f} load={load0:.1f} auto k: {runs[AUTO].get('chosen_k')}"]),
