@@ -32,6 +32,15 @@ def add_parser(sub) -> None:
                        ("--long-prefill-token-threshold", int), ("--max-queued-requests", int),
                        ("--max-queued-tokens", int)):
         p.add_argument(flag, type=kind, default=None, help="EngineConfig option (default: the engine's)")
+    from tokenbudget.engine.serve.limits import ServerLimits, flag
+    defaults = ServerLimits()
+    for name in ServerLimits.__struct_fields__:
+        p.add_argument(flag(name), type=int, default=getattr(defaults, name), dest=name,
+                       help=f"request limit (default: {getattr(defaults, name) or 'the context length'}; "
+                            "docs/serving.md, Security and limits)")
+    p.add_argument("--max-grammar-mask-ms", type=float, default=None,
+                   help="CPU ms one request's grammar masks may take per step; past it the request fails "
+                        "(default: 10)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--cuda-graphs", action="store_true", help="CUDA only: capture decode batches in CUDA graphs")
     p.set_defaults(run=run)
@@ -39,7 +48,7 @@ def add_parser(sub) -> None:
 
 _ENGINE_FLAGS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
                  "block_size", "scheduling_policy", "num_threads", "seed", "long_prefill_token_threshold",
-                 "max_queued_requests", "max_queued_tokens")
+                 "max_queued_requests", "max_queued_tokens", "max_grammar_mask_ms")
 
 
 def run(args) -> int:
@@ -57,4 +66,7 @@ def run(args) -> int:
     llm = AsyncLLM(args.model, **options)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                       else "SmolLM2-135M-Instruct")
-    return serve(llm, name, host=args.host, port=args.port, api_key=args.api_key, grace_period=args.grace_period)
+    from tokenbudget.engine.serve.limits import ServerLimits
+    limits = ServerLimits(**{name: getattr(args, name) for name in ServerLimits.__struct_fields__})
+    return serve(llm, name, host=args.host, port=args.port, api_key=args.api_key, grace_period=args.grace_period,
+                 limits=limits)

@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -46,6 +46,16 @@ from tokenbudget.engine.entrypoints.llm_engine import LLMEngine
 from tokenbudget.engine.entrypoints.stream import RequestStream
 
 logger = logging.getLogger("tokenbudget")
+
+
+class PreparedRequest(NamedTuple):
+    """A request validated and tokenized by ``AsyncLLM.make_request``, not yet queued."""
+
+    request_id: str
+    kind: RequestOutputKind
+    text: str | None
+    request: Any  # scheduler.request.Request
+    arrival: float
 
 
 class AsyncLLM:
@@ -69,7 +79,14 @@ class AsyncLLM:
                     priority: int = 0) -> RequestStream:
         """Validate, tokenize and queue a request; its stream. ValueError (nothing queued) for a
         bad request, ``EngineDeadError`` once the engine is dead, ``EngineOverloadedError`` past
-        the admission bounds. Call from the event loop."""
+        the admission bounds. Call from the event loop (a server calls ``make_request`` in a
+        worker thread, then ``add_made_request``, so tokenizing never blocks the loop)."""
+        return self.add_made_request(self.make_request(request_id, prompt, sampling_params, priority))
+
+    def make_request(self, request_id: str | None, prompt: PromptInput, sampling_params: SamplingParams | None = None,
+                     priority: int = 0) -> PreparedRequest:
+        """The costly, thread-safe half of ``add_request``: validate, tokenize, compile the
+        grammar. Touches no stream or engine state; call it from any thread."""
         arrival = time.monotonic()
         self.engine.core.raise_if_dead()
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
@@ -80,16 +97,24 @@ class AsyncLLM:
         if isinstance(params, SamplingParams) and kind != RequestOutputKind.FINAL_ONLY:
             params = msgspec.structs.replace(params, output_kind=RequestOutputKind.DELTA)  # streams merge
         text, request = self.engine.make_request(rid, prompt, params, priority)
+        return PreparedRequest(rid, kind, text, request, arrival)
+
+    def add_made_request(self, prepared: PreparedRequest) -> RequestStream:
+        """Queue a request from ``make_request``; its stream. Call from the event loop."""
+        self.engine.core.raise_if_dead()
+        rid, request = prepared.request_id, prepared.request
+        if rid in self._streams:
+            raise ValueError(f"duplicate request_id {rid!r}: a request with this id is still running")
         n_transit, tokens_transit = self._transit
         if self.engine.config.admission_control:
             stats = self.get_stats()
             check_admission(self.engine.config, stats.num_waiting + n_transit,
                             stats.num_waiting_tokens + tokens_transit, request.num_prompt_tokens)
         self._transit = [n_transit + 1, tokens_transit + request.num_prompt_tokens]
-        stream = RequestStream(rid, kind, self.abort, request.sampling_params.n)
+        stream = RequestStream(rid, prepared.kind, self.abort, request.sampling_params.n)
         self._streams[rid] = stream
         with self._inbox_lock:
-            self._pending_adds.append((request, text, arrival))
+            self._pending_adds.append((request, prepared.text, prepared.arrival))
         self._ensure_loop()
         return stream
 

@@ -81,6 +81,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    request_id: str = ""  # names the request in a ``RequestFault`` from its row preparation
 
     @property
     def num_drafts(self) -> int:
