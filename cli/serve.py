@@ -3,7 +3,8 @@
     tokenbudget serve --port 8000 --api-key secret --spec-method ngram --num-spec-tokens 4
 
 Engine options are ``LLM``'s, as flags; speculation flags are ``generate``'s. Binds 127.0.0.1
-unless ``--host`` says otherwise.
+unless ``--host`` says otherwise. Router-ready (``engine/serve/readiness.py``): the port opens
+before the model loads, ``/health`` is 503 while it loads and while a SIGTERM drains.
 """
 
 from __future__ import annotations
@@ -53,20 +54,25 @@ _ENGINE_FLAGS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_ba
 
 def run(args) -> int:
     try:
-        from tokenbudget.engine.serve.server import serve
+        from tokenbudget.engine.serve.readiness import serve_replica
     except ImportError as exc:
         raise ValueError(f"tokenbudget serve needs the serve extra: pip install 'tokenbudget[serve]' ({exc})") from None
-    from tokenbudget.engine.entrypoints.async_llm import AsyncLLM
+    from tokenbudget.api.config import EngineConfig
     options = {name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name) is not None}
     if args.no_prefix_caching:
         options["enable_prefix_caching"] = False
     if args.cuda_graphs:
         options["cuda_graphs"] = True
     options["speculative_config"] = speculative_config_from_args(args)
-    llm = AsyncLLM(args.model, **options)
+    EngineConfig.from_kwargs(model=args.model, **options)  # a bad flag: ValueError before the port opens
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                       else "SmolLM2-135M-Instruct")
     from tokenbudget.engine.serve.limits import ServerLimits
     limits = ServerLimits(**{name: getattr(args, name) for name in ServerLimits.__struct_fields__})
-    return serve(llm, name, host=args.host, port=args.port, api_key=args.api_key, grace_period=args.grace_period,
-                 limits=limits)
+
+    def load():
+        from tokenbudget.engine.entrypoints.async_llm import AsyncLLM
+        return AsyncLLM(args.model, **options)
+    # the port opens at once (/health 503 while the model loads); SIGTERM drains (/health 503)
+    return serve_replica(load, name, host=args.host, port=args.port, api_key=args.api_key,
+                         grace_period=args.grace_period, app_options={"limits": limits})

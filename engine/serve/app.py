@@ -1,7 +1,8 @@
 """The OpenAI-compatible routes on one ``AsyncLLM``.
 
     POST /v1/completions, POST /v1/chat/completions (JSON, or SSE with ``"stream": true``)
-    GET /v1/models, GET /health (503 once the engine is dead), GET /metrics (Prometheus)
+    GET /v1/models, GET /health (503 once the engine is dead), GET /metrics (Prometheus),
+    GET /version (what routers probe; ``readiness`` adds 503s while loading and draining)
 
 Every check runs before a response starts: a body over ``--max-request-bytes`` is a 413 before
 it is read (``body_limit``); the body decodes strictly under the server's limits (``protocol``,
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import importlib.metadata
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +39,11 @@ from tokenbudget.engine.serve.body_limit import LimitBody
 from tokenbudget.engine.serve.limits import LimitError, ServerLimits, flag, prompt_byte_bound
 from tokenbudget.engine.serve.metrics import CONTENT_TYPE, ServerMetrics
 
-_OPEN_PATHS = ("/health", "/metrics")
+try:
+    _VERSION = importlib.metadata.version("tokenbudget")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    _VERSION = "0+unknown"
+_OPEN_PATHS = ("/health", "/metrics", "/version")
 
 
 class _Json(JSONResponse):
@@ -107,7 +113,7 @@ class OpenAIServer:
     def __init__(self, llm, model_name: str, limits: ServerLimits | None = None) -> None:
         self.llm, self.model_name = llm, model_name
         self.limits = limits if limits is not None else ServerLimits()
-        self.metrics = ServerMetrics(llm)
+        self.metrics = ServerMetrics(llm, model_name)
         self.token_text = resp.TokenText(llm.tokenizer)
         self.max_model_len = llm.engine.max_model_len
         self.max_prompt_tokens = min(self.limits.max_prompt_tokens or self.max_model_len, self.max_model_len)
@@ -301,8 +307,13 @@ def build_app(llm, model_name: str, api_key: str | None = None, limits: ServerLi
     @app.get("/v1/models")
     async def models():
         return _Json({"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                                  "owned_by": "tokenbudget",
+                                                  "owned_by": "tokenbudget", "root": llm.engine.config.model
+                                                  or model_name, "parent": None,
                                                   "max_model_len": llm.engine.max_model_len}]})
+
+    @app.get("/version")
+    async def version():
+        return _Json({"version": _VERSION})
 
     @app.get("/health")
     async def health():
