@@ -40,7 +40,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--spec-method", choices=["ngram", "suffix", "draft_model", "self_draft"],
                    help="speculative decoding method (default: ngram; 'none' via --no-spec)")
-    p.add_argument("--num-spec-tokens", default=None, help="drafts per step, or 'auto'")
+    p.add_argument("--num-spec-tokens", default="auto",
+                   help="drafts per step, or 'auto' (default: chosen per request and step from the "
+                        "engine's measured step costs)")
     p.add_argument("--speculative-config", help="full speculative_config as JSON (overrides --spec-*)")
     p.add_argument("--no-spec", action="store_true", help="disable speculative decoding")
     p.add_argument("--dtype", default="auto")
@@ -59,13 +61,8 @@ def speculative_config_from_args(args) -> dict | None:
         return json.loads(args.speculative_config)
     if args.no_spec:
         return None
-    cfg: dict = {"method": args.spec_method or "ngram"}
-    if args.num_spec_tokens is not None:
-        n = args.num_spec_tokens
-        cfg["num_speculative_tokens"] = n if n == "auto" else int(n)
-    elif cfg["method"] != "suffix":
-        cfg["num_speculative_tokens"] = 4
-    return cfg
+    n = args.num_spec_tokens
+    return {"method": args.spec_method or "ngram", "num_speculative_tokens": n if n == "auto" else int(n)}
 
 
 def run(args) -> int:

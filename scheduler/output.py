@@ -113,15 +113,12 @@ class ModelRunnerOutput:
     ``logprobs[i]``, when requested, holds one entry per committed token (opaque to the scheduler).
     ``prompt_logprobs``: request id -> ``(first prompt position, entries)`` for the prompt tokens
     whose logprobs this step computed (opaque to the scheduler).
-    ``step_seconds``: how long the runner took (forward + sampling, device synchronized), for the
-    draft-length controller's cost model; None where nothing ran or the runner does not measure.
     """
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[list] | None = None
     prompt_logprobs: dict[str, tuple[int, list]] | None = None
-    step_seconds: float | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, gc=False):

@@ -134,6 +134,16 @@ class AcceptanceEstimator:
             prev = out[j] = (n0 * prev + sj) / (n0 + nj)
         return out
 
+    def first_position_upper(self) -> float:
+        """Engine-wide p_0 plus one posterior standard deviation (Beta): an optimistic value
+        for a probe. With little evidence (start-up, or evidence decayed while nobody drafted)
+        it is well above the mean, so a probe is tried where drafts might pay; as probes add
+        evidence it shrinks to the mean, so probing stops where they do not."""
+        a = self.prior_alpha + float(self.global_succ[0])
+        b = self.prior_beta + float(self.global_trials[0] - self.global_succ[0])
+        n = a + b
+        return min(1.0, a / n + float(np.sqrt(a * b / (n * n * (n + 1.0)))))
+
     def probs(self, slots: np.ndarray) -> np.ndarray:
         """a_{r,j} for the given rows (shape [len(slots), max_k]), each in (0, 1)."""
         s = self.prior_strength

@@ -2,70 +2,50 @@
 
 Objective. For drafts k = (k_1..k_B) over the B decoding requests of the next step,
 
-    maximise  R(k) = sum_i E_i(k_i) / ( c(T_base + sum_i (1 + k_i), B_step) + d(sum_i k_i) )
+    maximise  R(k) = sum_i E_i(k_i) / C(k)
 
 with E_i(k) = 1 + sum_{j<k} m_{i,j},  m_{i,j} = prod_{l<=j} a_{i,l}  (expected committed tokens:
 accepted drafts plus the bonus/recovered token), a_{i,l} the per-request conditional acceptance
-estimates (``spec.acceptance``), c the target step cost (``spec.cost_model``), d the drafter
-cost (0 for n-gram/suffix, per draft token for a draft model), T_base the step's other tokens,
-B_step = B + the step's other requests. The cost model is additive, c(T, B) = h(T) +
-per_request * (B - 1) (``StepCostModel``); B_step is fixed within a step, so c is a function of
-T alone there and the exact algorithm below applies unchanged.
+estimates (``spec.acceptance``) and C(k) the cost of the whole step carrying those drafts as the
+engine measures it (``spec.cost_model``: learned online from this engine's own steps, seeded by a
+start-up probe; no cost constant is set by hand). In that model a draft j of request i adds one
+row and one logit row (a cost g(D) that depends only on the step's total drafts D, convex in D)
+plus its attention over the request's context (c_{i,j} = w_attention * keys, per request: a
+verify row of a long-context request costs more than one of a short chat). So
 
-Exact algorithm (``optimal_draft_lengths``). Both cost terms depend on k only through the total
-D = sum_i k_i. For a fixed D the denominator is fixed, so the best k for that D maximises the
-numerator B + (sum of the chosen m_{i,j}), where the chosen entries must form a prefix of each
-row (k_i drafts contribute m_{i,0..k_i-1}). Each row is non-increasing
-(m_{i,j+1} = m_{i,j} * a_{i,j+1} <= m_{i,j} since a is in [0, 1]), so the D globally largest
-entries, ties broken toward the lower position, are a union of prefixes: if m_{i,j} is taken,
-every m_{i,l} with l < j is >= it and ranks before it, so it is taken too. No D entries can sum
-to more than the D largest, so this set is optimal among all assignments with total D. Every
-assignment has some D in 0..sum(caps), so scanning all D over the sorted marginals' prefix sums
-and keeping the best ratio finds the global optimum. Nothing is assumed about c or d (not even
-monotonicity) beyond positivity; ties in R pick the smallest D (less speculation). Cost is one
-sort of <= B*K numbers plus vectorised prefix sums (figures:
-benches/RESULTS.md, "Figures behind decisions in the source").
+    C(k) = g(D) + sum_{i, j < k_i} c_{i,j}.
 
-k = 0 for everyone falls out when no D > 0 raises R: large batches on a compute-bound target
-(c grows ~linearly in T, so an extra token costs about as much as the ~1 token each request
-already yields) or acceptance ~0.
+Exact algorithm (``optimal_draft_lengths``, Dinkelbach's method for a ratio): R* is the largest
+lambda with F(lambda) = max_k [N(k) - lambda C(k)] >= 0. For a fixed lambda, each candidate draft
+has value v_{i,j} = m_{i,j} - lambda c_{i,j}; within a row v is non-increasing in j (m falls, c
+grows with the keys), so for any D the D largest values, ties to the lower position, form a union
+of prefixes (a valid k), and no other D drafts have a larger sum; scanning D over the sorted prefix
+sums with - lambda g(D) gives F(lambda) exactly. Start at lambda = R(0) (no drafts), set lambda to
+the ratio of the maximiser and repeat: each round strictly raises R until F(lambda) = 0, which is
+the global optimum (finite: there are finitely many k). Ties pick the smallest D (less
+speculation). Cost: a few sorts of <= B*K numbers (figures: benches/RESULTS.md, "Figures behind
+decisions in the source").
+
+What falls out: k = 0 for requests whose drafts do not pay (low m or long context); shorter k
+as the batch grows (a draft must return more than the step's average cost per token, which
+falls with B); k = 0 for everyone when no draft raises R (a compute-bound step where a verify row
+costs more than it returns).
 
 Staleness and probing. A request at k = 0 produces no evidence, so its low estimate would
-stick. Two mechanisms let drafting resume: (1) evidence decays (see ``spec.acceptance``):
-per-request evidence per verify, engine-wide evidence per step back to the configured Beta prior;
-(2) probing: a request that has had no drafted verify for ``probe_interval`` steps (and whose
-cap allows drafts) is a probe candidate; probes are one draft each, valued at the engine-wide
-first-position rate p_0, and the controller adds the number of probes (most overdue first) that
-maximises R given the chosen plan — so probes are only spent where speculation could pay at the
-current batch size and cost (none on a compute-bound large batch). A probe's outcome updates the
-request's estimate; once it is good again the optimiser gives it drafts on its own.
-``probe_interval=0`` disables probing.
+stick. Two mechanisms let drafting resume: (1) evidence decays (``spec.acceptance``); (2) probing:
+a request that has had no drafted verify for ``probe_interval`` steps (and whose cap allows
+drafts) is a probe candidate; probes are one draft each, valued at the engine-wide first-position
+rate p_0, and the controller adds the number of probes (most overdue first) that maximises R given
+the chosen plan — so probes are spent only where speculation could pay at the current batch size
+and cost. ``probe_interval=0`` disables probing.
 
 Per-request control: ``Request.max_spec_tokens`` (None = engine default ``max_k``, 0 = never)
-caps k_i; ``choose(..., caps=...)`` takes further caps (e.g. ``spec.proposer.draft_limit``
-for the request's remaining length) so the plan does not count drafts that would be clipped.
+caps k_i; ``choose(..., caps=...)`` takes further caps (``scheduler.drafts.draft_limit``, or the
+length of the drafts a free drafter actually found) so the plan counts no clipped drafts.
 
-Engine integration (one step; only when ``SpeculativeConfig.is_adaptive``; ``spec.speculator``
-is the glue that does the per-request part):
-
-    ctrl = AdaptiveSpecController.from_config(spec_config, cost_model=measure_step_costs(
-               runner_forward, default_grid(max_num_batched_tokens)))   # at start-up
-    ...
-    sched = scheduler.schedule(); out = runner.execute(sched)            # timed: seconds
-    ctrl.observe_step(sched.total_num_scheduled_tokens, seconds,
-                      num_requests=len(sched.scheduled))                 # cost_model.update
-    outputs = scheduler.update_from_output(sched, out)
-    for o in outputs: ctrl.observe(o.request_id, o.num_draft_tokens, o.num_accepted_tokens)
-    for each finished/aborted request r: ctrl.forget(r.request_id)
-    reqs = running requests that are decoding
-    ks = ctrl.choose(reqs, base_tokens=<next step's other tokens, e.g. pending prefill>,
-                     caps=[draft_limit(r, max_model_len) for r in reqs],   # caps optional
-                     base_requests=<next step's other requests>)
-    drafts = proposer.propose(reqs, ks)                                  # k_i = 0: skip
-    scheduler.update_draft_token_ids({r.request_id: d for r, d in zip(reqs, drafts) if d})
-
-The proposer may return fewer than k_i drafts; ``observe`` uses what was verified. For a draft
-model pass ``drafter_cost`` (seconds per draft token, or a ``StepCostModel`` over D).
+Engine integration (``spec.speculator`` is the glue): ``choose`` before the step with the step's
+other work as ``base`` (a ``StepShape``), ``observe`` per verified request and ``observe_step``
+with the step's shape and measured seconds after the commit, ``forget`` when a request ends.
 """
 
 from __future__ import annotations
@@ -78,9 +58,10 @@ import numpy as np
 
 from tokenbudget.scheduler.request import Request
 from tokenbudget.spec.acceptance import AcceptanceEstimator
-from tokenbudget.spec.cost_model import StepCostModel
+from tokenbudget.spec.cost_model import StepCostModel, StepShape
 
-CostFn = Callable[[np.ndarray], np.ndarray]
+CurveFn = Callable[[np.ndarray], np.ndarray]
+_EMPTY = StepShape(0, 0, 0, 0.0)
 
 
 @dataclass(slots=True)
@@ -101,107 +82,78 @@ def expected_tokens(accept_probs: np.ndarray, k: np.ndarray) -> np.ndarray:
     return 1.0 + (m * mask).sum(axis=1)
 
 
-def optimal_draft_lengths(accept_probs: np.ndarray, caps: np.ndarray, base_tokens: int,
-                          cost: CostFn, drafter_cost: CostFn | None = None,
-                          min_gain: float = 0.0) -> tuple[np.ndarray, float, float]:
-    """Exact maximiser of R(k) (see the module docstring). Returns (k, numerator, denominator).
+def optimal_draft_lengths(accept_probs: np.ndarray, caps: np.ndarray, curve: CurveFn,
+                          row_costs: np.ndarray | None = None, max_rounds: int = 64
+                          ) -> tuple[np.ndarray, float, float]:
+    """Exact maximiser of R(k) (module docstring). Returns (k, numerator, denominator).
 
     accept_probs: [B, K] conditional acceptance probabilities in [0, 1].
-    caps: [B] per-request upper bounds on k_i (clipped to [0, K]).
-    cost / drafter_cost: vectorised over an int array of total tokens / total drafts.
-    min_gain: drafts whose marginal expected tokens m_{i,j} fall below it are never taken (rows
-        are non-increasing, so this only lowers caps; with 0 the result is the exact optimum).
+    caps: [B] upper bounds on k_i (clipped to [0, K]).
+    curve: g(D) for an int array of total drafts D (vectorised, > 0).
+    row_costs: [B, K] c_{i,j} >= 0, non-decreasing along each row (None: all 0).
     """
     a = np.asarray(accept_probs, dtype=np.float64)
     b, kmax = a.shape
-    caps = np.clip(np.asarray(caps, dtype=np.int64), 0, kmax)
+    caps = np.minimum(np.maximum(np.asarray(caps, dtype=np.int64), 0), kmax)
     marg = np.cumprod(a, axis=1)
     valid = np.arange(kmax)[None, :] < caps[:, None]
-    if min_gain > 0:
-        valid &= marg >= min_gain
     rows = np.nonzero(valid)[0]
-    gains = marg[valid]          # row-major: lower position first per row
-    order = np.argsort(-gains, kind="stable")     # stable: ties keep lower position first
-    num = b + np.concatenate(([0.0], np.cumsum(gains[order])))
-    d = np.arange(len(num), dtype=np.int64)
-    den = np.asarray(cost(base_tokens + b + d), dtype=np.float64)
-    if drafter_cost is not None:
-        den = den + np.asarray(drafter_cost(d), dtype=np.float64)
-    if np.any(den <= 0):
-        raise ValueError("step cost must be > 0 for every token count")
-    best = int(np.argmax(num / den))              # first maximum: the smallest D
-    k = np.bincount(rows[order[:best]], minlength=b)
-    return k, float(num[best]), float(den[best])
+    gains = marg[valid]                               # row-major: lower position first per row
+    costs = np.zeros_like(gains) if row_costs is None else np.asarray(row_costs, np.float64)[valid]
+    g = np.asarray(curve(np.arange(len(gains) + 1)), dtype=np.float64)
+    if np.any(g <= 0) or np.any(costs < 0):
+        raise ValueError("step cost must be > 0 and draft costs >= 0")
+    sel = np.zeros(0, dtype=np.int64)
+    num, den = float(b), float(g[0])
+    for _ in range(max_rounds):
+        lam = num / den
+        v = gains - lam * costs
+        order = np.argsort(-v, kind="stable")        # stable: ties keep the lower position first
+        f = np.concatenate(([0.0], np.cumsum(v[order]))) - lam * g
+        d = int(np.argmax(f))                         # first maximum: the smallest D
+        cand = order[:d]
+        cnum = b + float(gains[cand].sum())
+        cden = float(g[d] + costs[cand].sum())
+        if cnum / cden <= lam * (1.0 + 1e-12):
+            break
+        sel, num, den = cand, cnum, cden
+    k = np.bincount(rows[sel], minlength=b)
+    return k, num, den
 
 
 class AdaptiveSpecController:
-    """Chooses drafts per request per step; learns acceptance online. Not thread-safe.
+    """Chooses drafts per request per step; learns acceptance and step cost online. Not
+    thread-safe.
 
     max_k: upper bound on drafts per request (``SpeculativeConfig.max_spec_tokens``).
+    cost_model: this engine's ``StepCostModel`` (``engine.worker.step_cost`` measures the prior).
     prior_alpha / prior_beta: engine-wide Beta prior of per-position acceptance (pseudo-counts).
     prior_strength: pseudo-trials of the engine-wide figure in each request's prior.
     decay / global_decay: evidence discount per verify (request) / per step (engine-wide).
-    cost_model: target step cost c(T); default a roofline guess (flat to 128 tokens, then
-        linear) — measure one with ``measure_step_costs`` instead.
-    drafter_cost: drafter seconds per draft token (float) or a ``StepCostModel`` over D.
     probe_interval: steps without a drafted verify before a request may be probed (0 = never).
-    min_draft_gain: a draft expected to add fewer tokens than this is never proposed (covers
-        proposer and bookkeeping overheads the cost model does not see; keeps k = 0 at
-        acceptance ~0 even where the step cost is flat).
     """
 
-    def __init__(self, max_k: int, *, prior_alpha: float = 1.0, prior_beta: float = 1.0,
-                 prior_strength: float = 2.0, decay: float = 0.95, global_decay: float = 0.99,
-                 cost_model: StepCostModel | None = None,
-                 drafter_cost: float | StepCostModel = 0.0, probe_interval: int = 16,
-                 min_draft_gain: float = 0.01) -> None:
+    def __init__(self, max_k: int, cost_model: StepCostModel, *, prior_alpha: float = 1.0,
+                 prior_beta: float = 1.0, prior_strength: float = 2.0, decay: float = 0.95,
+                 global_decay: float = 0.99, probe_interval: int = 8) -> None:
         if probe_interval < 0:
             raise ValueError(f"probe_interval must be >= 0, got {probe_interval}")
-        if isinstance(drafter_cost, (int, float)) and drafter_cost < 0:
-            raise ValueError(f"drafter_cost must be >= 0, got {drafter_cost}")
         self.max_k = int(max_k)
         self.acceptance = AcceptanceEstimator(
             max_k, prior_alpha=prior_alpha, prior_beta=prior_beta,
             prior_strength=prior_strength, decay=decay, global_decay=global_decay)
-        self.cost_model = cost_model if cost_model is not None else StepCostModel.linear(
-            1.0, 1.0 / 128, knee_tokens=128)
-        self.drafter_cost = drafter_cost
+        self.cost_model = cost_model
         self.probe_interval = int(probe_interval)
-        self.min_draft_gain = float(min_draft_gain)
         self.step = 0
         self.k_histogram: dict[int, int] = {}
         self.num_probes = 0
         self.last_plan: Plan | None = None
 
     @classmethod
-    def from_config(cls, config: Any, **kwargs: Any) -> AdaptiveSpecController:
+    def from_config(cls, config: Any, cost_model: StepCostModel, **kwargs: Any
+                    ) -> AdaptiveSpecController:
         """From a ``SpeculativeConfig``: max_k = ``config.max_spec_tokens``."""
-        return cls(config.max_spec_tokens, **kwargs)
-
-    # ---- costs ----
-    def _drafter_fn(self) -> CostFn | None:
-        """d(D): None for a free drafter, else seconds for D draft tokens (d(0) = 0)."""
-        dc = self.drafter_cost
-        if isinstance(dc, (int, float)):
-            return None if dc == 0 else (lambda d: dc * np.asarray(d, dtype=np.float64))
-        return lambda d: np.where(np.asarray(d) > 0, dc.cost(np.maximum(d, 1)), 0.0)
-
-    def _target_cost(self, num_requests: int) -> CostFn:
-        """c(T) for a step of ``num_requests`` requests (the per-request term is a constant)."""
-        model = self.cost_model
-        if num_requests <= 1 or not getattr(model, "per_request", 0.0):
-            return model.cost
-        return lambda t: model.cost(t, num_requests)
-
-    def _step_cost(self, base: int, b: int, num_requests: int | None = None) -> CostFn:
-        """Denominator of R as a function of the total drafts D."""
-        drafter = self._drafter_fn()
-        target = self._target_cost(b if num_requests is None else num_requests)
-
-        def total(d: np.ndarray) -> np.ndarray:
-            c = target(base + b + np.asarray(d))
-            return c if drafter is None else c + drafter(d)
-        return total
+        return cls(config.max_spec_tokens, cost_model, **kwargs)
 
     # ---- the per-step decision ----
     def caps_for(self, requests: Sequence[Request], caps: Sequence[int] | None = None
@@ -213,20 +165,38 @@ class AdaptiveSpecController:
             if len(caps) != len(requests):
                 raise ValueError(f"caps has {len(caps)} entries for {len(requests)} requests")
             out = np.minimum(out, np.asarray(caps, dtype=np.int64))
-        return np.clip(out, 0, self.max_k)
+        return np.minimum(np.maximum(out, 0), self.max_k)
 
-    def choose(self, requests: Sequence[Request], base_tokens: int = 0,
-               caps: Sequence[int] | None = None, base_requests: int = 0) -> list[int]:
+    def step_costs(self, requests: Sequence[Request], base: StepShape = _EMPTY
+                   ) -> tuple[CurveFn, np.ndarray]:
+        """g(D) and c_{i,j} for these decoding requests on top of ``base`` (module docstring).
+
+        Request i decodes one row after ``num_computed_tokens`` cached tokens; its draft j is the
+        row after that and attends ``context + j + 2`` keys."""
+        ctx = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.float64,
+                          count=len(requests))
+        b = len(requests)
+        decode_keys = float(ctx.sum() + b) / 1000.0          # request_attention(ctx, 1) each
+        zero = StepShape(base.requests + b, base.tokens + b, base.logit_rows + b,
+                         base.attention + decode_keys)
+        model = self.cost_model
+
+        def curve(d: np.ndarray) -> np.ndarray:
+            return model.token_curve(zero, d)
+        j = np.arange(self.max_k, dtype=np.float64)
+        row_costs = model.attention_weight * (ctx[:, None] + j[None, :] + 2.0) / 1000.0
+        return curve, row_costs
+
+    def choose(self, requests: Sequence[Request], base: StepShape | None = None,
+               caps: Sequence[int] | None = None) -> list[int]:
         """Drafts to propose for each request next step (``0 <= k_i <= cap_i``).
 
-        base_tokens: tokens the step carries besides each listed request's 1 + k_i (prefill
-        chunks, non-speculating requests). base_requests: how many requests those are (for
-        the cost model's per-request term). Call once per engine step.
+        base: what the step carries besides the listed requests' 1 + k_i rows (prefill chunks,
+        non-speculating requests). Call once per engine step.
         """
-        if base_tokens < 0:
-            raise ValueError(f"base_tokens must be >= 0, got {base_tokens}")
-        if base_requests < 0:
-            raise ValueError(f"base_requests must be >= 0, got {base_requests}")
+        base = _EMPTY if base is None else base
+        if base.tokens < 0 or base.requests < 0 or base.logit_rows < 0 or base.attention < 0:
+            raise ValueError(f"base must have no negative field, got {base}")
         self.step += 1
         self.acceptance.decay_global()
         b = len(requests)
@@ -234,47 +204,50 @@ class AdaptiveSpecController:
             self.last_plan = Plan([], 0.0, 0.0, 0.0)
             return []
         cap = self.caps_for(requests, caps)
+        if not cap.any():                  # nothing to draft (e.g. no n-gram match): no choice
+            self.last_plan = Plan([0] * b, float(b), 0.0, 0.0)
+            self.k_histogram[0] = self.k_histogram.get(0, 0) + b
+            return self.last_plan.k
         slots = self.acceptance.slots([r.request_id for r in requests], self.step)
         probs = self.acceptance.probs(slots)
-        n_req = b + int(base_requests)
-        k, num, _ = optimal_draft_lengths(probs, cap, base_tokens, self._target_cost(n_req),
-                                          self._drafter_fn(), self.min_draft_gain)
-        cost = self._step_cost(base_tokens, b, n_req)
-        n_probes = self._add_probes(k, cap, slots, num, cost)
-        num += n_probes * float(self.acceptance.global_probs()[0])
-        den = float(cost(int(k.sum())))
+        curve, row_costs = self.step_costs(requests, base)
+        k, num, den = optimal_draft_lengths(probs, cap, curve, row_costs)
+        n_probes, num, den = self._add_probes(k, cap, slots, num, den, curve, row_costs)
         self.last_plan = Plan(k.tolist(), num, den, num / den, n_probes)
         hist = self.k_histogram
-        for kv, cnt in zip(*np.unique(k, return_counts=True)):
-            hist[int(kv)] = hist.get(int(kv), 0) + int(cnt)
+        for kv in self.last_plan.k:
+            hist[kv] = hist.get(kv, 0) + 1
         return self.last_plan.k
 
     def _add_probes(self, k: np.ndarray, cap: np.ndarray, slots: np.ndarray, num: float,
-                    cost: CostFn) -> int:
-        """Give k=1 to the overdue idle requests worth probing (modifies ``k``); count them."""
+                    den: float, curve: CurveFn, row_costs: np.ndarray) -> tuple[int, float, float]:
+        """Give k=1 to the overdue idle requests worth probing (modifies ``k``); returns their
+        number and the plan's new numerator and denominator."""
         if self.probe_interval == 0:
-            return 0
+            return 0, num, den
         idle = self.step - self.acceptance.last_drafted_step[slots]
         cand = np.flatnonzero((k == 0) & (cap >= 1) & (idle >= self.probe_interval))
         if len(cand) == 0:
-            return 0
-        g = float(self.acceptance.global_probs()[0])
-        if g < self.min_draft_gain:
-            return 0
+            return 0, num, den
+        cand = cand[np.argsort(-idle[cand], kind="stable")]
+        p0 = float(self.acceptance.global_probs()[0])
+        hope = self.acceptance.first_position_upper()   # decide optimistically, report the mean
         d0 = int(k.sum())
         m = np.arange(len(cand) + 1)
-        ratio = (num + g * m) / cost(d0 + m)
+        lin = den - float(curve(np.array([d0]))[0])
+        dens = curve(d0 + m) + lin + np.concatenate(([0.0], np.cumsum(row_costs[cand, 0])))
+        ratio = (num + hope * m) / dens
         n = int(np.argmax(ratio))
         if n:
-            chosen = cand[np.argsort(-idle[cand], kind="stable")[:n]]
-            k[chosen] = 1
+            k[cand[:n]] = 1
             self.num_probes += n
-        return n
+        return n, num + p0 * n, float(dens[n])
 
     # ---- transactions ----
     def snapshot(self) -> tuple:
         """Everything ``choose`` changes, so a failed engine step can put it back."""
-        return (self.step, self.acceptance.snapshot(), dict(self.k_histogram), self.num_probes, self.last_plan)
+        return (self.step, self.acceptance.snapshot(), dict(self.k_histogram), self.num_probes,
+                self.last_plan)
 
     def restore(self, saved: tuple) -> None:
         self.step, acceptance, self.k_histogram, self.num_probes, self.last_plan = saved
@@ -282,18 +255,12 @@ class AdaptiveSpecController:
 
     # ---- feedback ----
     def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
-        """After ``update_from_output``: the request verified ``num_draft``, kept
-        ``num_accepted``."""
+        """After the commit: the request verified ``num_draft``, kept ``num_accepted``."""
         self.acceptance.observe(request_id, num_draft, num_accepted, self.step)
 
-    def observe_step(self, total_tokens: int, seconds: float,
-                     num_requests: int | None = None) -> None:
-        """The runner's measured step: ``total_tokens`` tokens of ``num_requests`` requests (if
-        known) took ``seconds``."""
-        if num_requests is None:
-            self.cost_model.update(total_tokens, seconds)
-        else:
-            self.cost_model.update(total_tokens, seconds, num_requests=num_requests)
+    def observe_step(self, shape: StepShape, seconds: float) -> None:
+        """The engine's measured step: it carried ``shape`` and took ``seconds``."""
+        self.cost_model.update(shape, seconds)
 
     def forget(self, request_id: str) -> None:
         """The request finished or was aborted; free its state."""

@@ -1,63 +1,87 @@
-"""Step cost model c(T): seconds of one target forward (+ sampling/verify) carrying T tokens.
+"""Step cost model: seconds of one engine step as a function of what the step contains.
 
-The speculation-length controller (``spec.adaptive``) trades expected committed tokens against
-the cost of the step that verifies them, so it needs c(T) for T = every token the step carries
-(decode tokens, drafts, prefill chunks).
+The draft-length controller (``spec.adaptive``) trades expected committed tokens against the cost
+of the step that verifies them, so it needs the cost of a step *with* the drafts it is about to
+choose. Every constant in that cost is learned on the machine, kernel path and thread count the
+engine actually runs on: nothing here is a number measured elsewhere.
 
-How it is built:
+Shape of a step (``StepShape``, built from a ``SchedulerOutput`` by ``step_shape``):
 
-* At start-up the runner times a few forward passes at token counts in a small grid
-  (``measure_step_costs(run_forward, default_grid(max_num_batched_tokens))``): warm-up calls
-  first, then the median of ``repeats`` timed calls per grid point.
-* Online, the engine reports each step's measured time and total token count (``update``). A
-  measurement is assigned to the nearest bucket (grid point) after shifting it along the current
-  curve (``seconds + c(g) - c(T)``), then folded into that bucket's exponentially-weighted mean
-  (weight ``ewma``). A single update moves a bucket by at most a factor ``max_update_factor``
-  (guards against a GC pause or a one-off compile). Token counts beyond the measured range by
-  more than 25 % open a new bucket, so the model learns the range start-up did not measure.
-* Load drift (``scale_ewma`` > 0): on a shared or thermally throttled machine every step gets
-  slower or faster together, but each bucket only hears about it when a step of its size runs.
-  Buckets refreshed at different times then disagree about the load, and the controller, which
-  only uses ratios c(T + D) / c(T), reads the drift as a cost of drafting (e.g. bucket 8 updated
-  under load by code prompts, bucket 1 last updated when the box was quiet). So each update also
-  rescales every bucket by ``1 + scale_ewma * (r - 1)``, r = seconds / c(T) (clipped like any
-  update): the shape is learned per bucket, the level by all of them. 0 (the default) keeps the
-  buckets independent.
-* ``cost(T)`` interpolates piecewise-linearly between buckets. Above the last bucket it
-  extrapolates with the last segment's slope (a flat extrapolation would make large steps look
-  free and invite over-speculation); below the first bucket it is flat.
-* Monotone non-decreasing is enforced: the bucket means are projected onto non-decreasing
-  sequences by weighted isotonic regression (pool-adjacent-violators, weights = number of
-  measurements per bucket, capped) each time they change. A cost that falls when tokens are added
-  is measurement noise, and a non-monotone c(T) would reward padding steps with useless drafts.
+* ``requests``: requests in the step (per-request work: row preparation, attention setup);
+* ``tokens``: rows of the forward (decode rows + verify rows + prefill chunk tokens);
+* ``logit_rows``: rows that need logits and sampling/verification (decode and verify rows, the
+  last row of a prefill that completes);
+* ``attention``: sum over rows of the keys each row attends, in thousands (a verify row of a
+  request with a long context reads the whole context: this is why verifying drafts of a long
+  QA-over-a-passage request costs more than drafts of a short chat);
+* ``tokens`` over knots (``HINGE_KNOTS``): ``max(0, tokens - knot)``. With non-negative weights the
+  cost is convex piecewise linear in the row count, which covers the memory-bound regime where
+  the first few rows of a GEMM are almost free (the weights are streamed once either way) and
+  each further row costs compute.
 
-* Requests per step (``per_request``): on a backend with per-request overhead (the torch
-  attention path loops over requests in Python; each request also attends over its own context)
-  a step of B requests carrying T tokens costs more than one request of T tokens. The model is
-  additive, ``cost(T, B) = h(T) + per_request * (B - 1)``, h the bucketed curve above (measured on
-  one request, so B = 1 is the old model). An update that says how many requests the step had
-  (``update(T, seconds, num_requests=B)``) regresses the residual ``seconds - h(T)`` on
-  ``B - 1`` (through the origin, exponentially weighted sufficient statistics with weight
-  ``per_request_ewma``, seeded by the start-up probe with ``per_request_prior`` pseudo-steps) and
-  feeds only ``seconds - per_request * (B - 1)`` into h, so multi-request steps no longer inflate
-  the T curve. For a fixed batch the term is a constant, so the controller's objective still
-  varies only through T. Updates without ``num_requests`` leave the term alone (old behaviour).
+Model: ``cost = w . phi(shape)``, ``phi = [1, requests, tokens, logit_rows, attention, hinges...]``,
+``w >= 0`` (a cost that falls when rows are added is noise, and would reward padding a step
+with useless drafts).
 
-Units are whatever the caller measures (seconds from ``time.perf_counter``); the controller only
-uses ratios, but target and drafter costs must share a unit. ``run_forward`` must block until the
-device has finished (e.g. call ``torch.cuda.synchronize()``), or the timings measure launch only.
+Fit: weighted least squares with relative-error weights ``1 / seconds^2`` (a 1 ms step matters as
+much as a 100 ms one: the controller compares ratios), over two sources of evidence:
+
+* the start-up prior: a few steps of chosen shapes timed on the real runner
+  (``engine.worker.step_cost``), fitted alone to prior weights w0, which then act as a Gaussian
+  prior: moving w_f away from w0_f costs what the same relative error on a typical probe step
+  would cost on ``prior_weight`` online steps. (Not the probes as pseudo-observations: a probe
+  of extreme shape, e.g. 256 prefill rows, would then pin its direction far harder than
+  ``prior_weight`` steps, because relative errors on it are large when the prior is off.)
+* online steps (``update``): every engine step's measured time and shape, discounted by
+  ``forget`` per step, so the model follows load and thermal drift in roughly
+  ``1 / (1 - forget)`` steps while directions the recent steps do not excite (e.g. draft rows
+  when nobody drafted lately) keep the prior's answer instead of drifting.
+
+Non-negativity is enforced by Lawson-Hanson's active-set method on the normal equations. A single
+measurement is clipped to within ``max_update_factor`` of the current prediction before it is folded in (a GC pause or a
+neighbour's burst must not teach the model that a decode step costs 50 ms).
+
+The controller asks two things: ``cost(shapes)`` and the decomposition ``draft_costs`` that lets
+its optimiser price each candidate draft (``spec.adaptive``).
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-_MIN_COST = 1e-12
-_WEIGHT_CAP = 50.0  # a bucket's weight in the isotonic fit stops growing here
+HINGE_KNOTS = (4, 16, 64, 256)
+FEATURES = ("step", "requests", "tokens", "logit_rows", "attention") + tuple(
+    f"tokens_over_{k}" for k in HINGE_KNOTS)
+_MIN_COST = 1e-9
+_RIDGE = 1e-6   # relative to the normal matrix' diagonal: keeps unexcited directions solvable
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one step carries (see the module docstring); attention in thousands of keys."""
+
+    requests: int
+    tokens: int
+    logit_rows: int
+    attention: float
+
+    def features(self) -> np.ndarray:
+        t = float(self.tokens)
+        return np.array([1.0, float(self.requests), t, float(self.logit_rows), float(self.attention)]
+                        + [t - k if t > k else 0.0 for k in HINGE_KNOTS])
+
+
+def features(requests, tokens, logit_rows, attention) -> np.ndarray:
+    """phi for scalars (shape [F]) or equal-length arrays (shape [N, F])."""
+    t = np.asarray(tokens, dtype=np.float64)
+    cols = [np.ones_like(t), np.asarray(requests, dtype=np.float64) + 0 * t, t,
+            np.asarray(logit_rows, dtype=np.float64) + 0 * t,
+            np.asarray(attention, dtype=np.float64) + 0 * t]
+    cols += [np.maximum(t - k, 0.0) for k in HINGE_KNOTS]
+    return np.stack(cols, axis=-1)
 
 
 def default_grid(max_tokens: int) -> list[int]:
@@ -72,242 +96,200 @@ def default_grid(max_tokens: int) -> list[int]:
     return grid
 
 
-def isotonic_non_decreasing(y: Sequence[float], w: Sequence[float]) -> np.ndarray:
-    """Weighted least-squares projection of ``y`` onto non-decreasing sequences (PAV)."""
-    vals: list[float] = []
-    wts: list[float] = []
-    lens: list[int] = []
-    for yi, wi in zip(y, w):
-        vals.append(float(yi))
-        wts.append(float(wi))
-        lens.append(1)
-        while len(vals) > 1 and vals[-2] > vals[-1]:
-            wsum = wts[-2] + wts[-1]
-            v = (vals[-2] * wts[-2] + vals[-1] * wts[-1]) / wsum
-            n = lens[-2] + lens[-1]
-            del vals[-1], wts[-1], lens[-1]
-            vals[-1], wts[-1], lens[-1] = v, wsum, n
-    return np.repeat(np.array(vals, dtype=np.float64), lens)
+def request_attention(context: int, rows: int) -> float:
+    """Keys attended (thousands) by ``rows`` rows following ``context`` cached tokens: row j
+    sees ``context + j + 1`` keys."""
+    return (rows * context + rows * (rows + 1) / 2) / 1000.0
+
+
+def step_shape(sched) -> StepShape:
+    """The shape of a ``SchedulerOutput`` (``scheduler.output``)."""
+    requests = tokens = logit_rows = 0
+    attention = 0.0
+    for sr in sched.scheduled:
+        n = len(sr.token_ids)
+        requests += 1
+        tokens += n
+        if sr.needs_sample:
+            logit_rows += 1 + len(sr.spec_token_ids)
+        attention += request_attention(sr.num_computed_tokens, n)
+    return StepShape(requests, tokens, logit_rows, attention)
+
+
+def nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin_{w >= 0} w'Aw - 2b'w for a positive definite A (Lawson-Hanson active set, on the
+    normal equations; exact, a handful of small solves for this many features)."""
+    n = len(b)
+    w = np.zeros(n)
+    free = np.zeros(n, dtype=bool)
+    tol = 1e-12 * max(float(np.max(np.abs(b))), 1e-300)
+    for _ in range(3 * n + 10):
+        grad = b - a @ w                      # descent direction of the objective (halved)
+        bound = ~free
+        if not bound.any() or float(np.max(np.where(bound, grad, -np.inf))) <= tol:
+            break
+        free[int(np.argmax(np.where(bound, grad, -np.inf)))] = True
+        while True:
+            idx = np.flatnonzero(free)
+            z = np.zeros(n)
+            z[idx] = np.linalg.solve(a[np.ix_(idx, idx)], b[idx])
+            if np.all(z[idx] > 0):
+                w = z
+                break
+            neg = np.flatnonzero(free & (z <= 0))
+            ratios = w[neg] / (w[neg] - z[neg])
+            step = float(np.min(ratios))
+            w = w + step * (z - w)
+            free[neg[int(np.argmin(ratios))]] = False   # the blocking variable leaves for sure
+            free &= w > 0
+            w[~free] = 0.0
+    return np.maximum(w, 0.0)
 
 
 class StepCostModel:
-    """c(T) from bucketed measurements. Safe to call ``cost`` at any time after construction.
+    """cost(shape) = w . phi(shape), w >= 0, fitted from a prior and online steps. Not thread-safe.
 
-    tokens / seconds: bucket positions (distinct token counts >= 1) and their mean cost.
-    counts: measurements behind each bucket (weights of the isotonic fit); default 1 each.
-    ewma: weight of one online measurement in its bucket's mean.
+    forget: discount of online evidence per update (window ~ 1 / (1 - forget) steps).
+    prior_weight: online steps the prior is worth in each feature's direction.
+    max_update_factor: one online measurement is clipped to [pred / f, pred * f].
     """
 
-    def __init__(self, tokens: Sequence[int], seconds: Sequence[float],
-                 counts: Sequence[float] | None = None, *, ewma: float = 0.1,
-                 max_update_factor: float = 3.0, max_buckets: int = 64,
-                 scale_ewma: float = 0.0, per_request: float = 0.0,
-                 per_request_ewma: float = 0.02, per_request_prior: float = 20.0) -> None:
-        if len(tokens) == 0 or len(tokens) != len(seconds):
-            raise ValueError("tokens and seconds must be non-empty and of equal length")
-        if not 0.0 < ewma <= 1.0:
-            raise ValueError(f"ewma must be in (0, 1], got {ewma}")
+    def __init__(self, prior: Iterable[tuple[StepShape, float]], *, forget: float = 0.99,
+                 prior_weight: float = 2.0, max_update_factor: float = 3.0,
+                 refit_every: int = 8) -> None:
+        prior = list(prior)
+        if not prior:
+            raise ValueError("need at least one (StepShape, seconds) prior measurement")
+        if not 0.0 < forget <= 1.0:
+            raise ValueError(f"forget must be in (0, 1], got {forget}")
+        if prior_weight <= 0:
+            raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
         if max_update_factor <= 1.0:
             raise ValueError(f"max_update_factor must be > 1, got {max_update_factor}")
-        t = np.asarray(tokens, dtype=np.float64)
-        s = np.asarray(seconds, dtype=np.float64)
-        if np.any(t < 1) or len(np.unique(t)) != len(t):
-            raise ValueError(f"tokens must be distinct and >= 1, got {list(tokens)}")
-        if not np.all(np.isfinite(s)) or np.any(s < 0):
-            raise ValueError(f"seconds must be finite and >= 0, got {list(seconds)}")
-        order = np.argsort(t)
-        self._t = t[order]
-        self._raw = s[order]
-        c = np.ones(len(t)) if counts is None else np.asarray(counts, dtype=np.float64)[order]
-        self._n = c
-        self.ewma = float(ewma)
-        if not 0.0 <= scale_ewma <= 1.0:
-            raise ValueError(f"scale_ewma must be in [0, 1], got {scale_ewma}")
+        if refit_every < 1:
+            raise ValueError(f"refit_every must be >= 1, got {refit_every}")
+        self.forget = float(forget)
         self.max_update_factor = float(max_update_factor)
-        self.scale_ewma = float(scale_ewma)
-        self.max_buckets = int(max_buckets)
+        self.refit_every = int(refit_every)
+        nf = len(FEATURES)
+        a, b = np.zeros((nf, nf)), np.zeros(nf)
+        rel = []
+        for shape, seconds in prior:
+            sec = float(seconds)
+            if not (np.isfinite(sec) and sec > 0):
+                raise ValueError(f"prior seconds must be finite and > 0, got {seconds}")
+            phi = shape.features()
+            self._fold_into(a, b, phi, sec, 1.0)
+            rel.append(phi / sec)
+        ridge = _RIDGE * max(float(np.max(np.diag(a))), 1e-30)
+        self.prior_weights = nonnegative_least_squares(a + ridge * np.eye(nf), b)
+        # Prior precision per feature: moving w_f by delta changes a typical probe step's cost
+        # by delta * phi_f relative to its seconds; that relative error is charged as if
+        # ``prior_weight`` steps had seen it (median over the probes that have the feature).
+        rel = np.abs(np.array(rel))
+        typical = np.array([np.median(col[col > 0]) if np.any(col > 0) else 0.0 for col in rel.T])
+        self._prior_precision = float(prior_weight) * typical ** 2
+        self._a = np.zeros((nf, nf))
+        self._b = np.zeros(nf)
         self.num_updates = 0
-        if not (np.isfinite(per_request) and per_request >= 0):
-            raise ValueError(f"per_request must be finite and >= 0, got {per_request}")
-        if not 0.0 < per_request_ewma <= 1.0:
-            raise ValueError(f"per_request_ewma must be in (0, 1], got {per_request_ewma}")
-        if per_request_prior < 0:
-            raise ValueError(f"per_request_prior must be >= 0, got {per_request_prior}")
-        self.per_request_ewma = float(per_request_ewma)
-        self.per_request_prior = float(per_request_prior)
-        # Weighted sums of x^2 and x * residual (x = B - 1) behind per_request = sxy / sxx.
-        self._sxx = 0.0
-        self._sxy = 0.0
-        self.per_request = float(per_request)
-        self._refit()
+        self._w: np.ndarray | None = None
+        self._stale = 0   # updates since the last refit
 
-    # ---- per-request term ----
-    def set_per_request(self, value: float, weight: float | None = None,
-                        scale: float = 1.0) -> None:
-        """Seed the per-request term with ``value`` worth ``weight`` pseudo-steps (default
-        ``per_request_prior``) of ``scale`` extra requests each."""
-        if not (np.isfinite(value) and value >= 0):
-            raise ValueError(f"per_request must be finite and >= 0, got {value}")
-        w = self.per_request_prior if weight is None else float(weight)
-        self.per_request = float(value)
-        self._sxx = w * scale * scale
-        self._sxy = self._sxx * self.per_request
+    @staticmethod
+    def _fold_into(a: np.ndarray, b: np.ndarray, phi: np.ndarray, seconds: float, weight: float) -> None:
+        w = weight / (seconds * seconds)   # relative error
+        a += w * np.outer(phi, phi)
+        b += w * seconds * phi
 
-    def fit_per_request(self, measurements: Iterable[tuple[int, int, float]], *,
-                        weight: float | None = None) -> float:
-        """Least-squares per-request term from (tokens, requests, seconds) measurements:
-        residuals ``seconds - h(tokens)`` regressed on ``requests - 1`` through the origin
-        (clipped at 0). Seeds the online estimate; returns it."""
-        xs, rs = [], []
-        for t, b, sec in measurements:
-            xs.append(float(b) - 1.0)
-            rs.append(float(sec) - float(self.cost(t)))
-        x, r = np.asarray(xs), np.asarray(rs)
-        sxx = float(np.dot(x, x))
-        if sxx <= 0:
-            return self.per_request
-        value = max(float(np.dot(x, r)) / sxx, 0.0)
-        self.set_per_request(value, weight, scale=float(np.sqrt(sxx / len(x))))
-        return self.per_request
+    # ---- the fit ----
+    @property
+    def weights(self) -> np.ndarray:
+        """Current w (seconds per unit of each feature in ``FEATURES``). Refitted after every
+        ``refit_every`` updates (a fit costs about as much as a choice of drafts; the weights move
+        slowly), at once on demand through ``refit``."""
+        if self._w is None or self._stale >= self.refit_every:
+            self.refit()
+        return self._w
 
-    def _update_per_request(self, x: float, residual: float) -> None:
-        lam = self.per_request_ewma
-        self._sxx = (1.0 - lam) * self._sxx + lam * x * x
-        self._sxy = (1.0 - lam) * self._sxy + lam * x * residual
-        self.per_request = max(self._sxy / self._sxx, 0.0) if self._sxx > 0 else 0.0
+    def refit(self) -> None:
+        """Solve for w now: online evidence + the Gaussian prior around ``prior_weights``."""
+        self._stale = 0
+        p = self._prior_precision
+        a = self._a + np.diag(p)
+        ridge = _RIDGE * max(float(np.max(np.diag(a))), 1e-30)
+        self._w = nonnegative_least_squares(a + ridge * np.eye(len(a)), self._b + p * self.prior_weights)
 
-    # ---- construction ----
-    @classmethod
-    def from_measurements(cls, measurements: Iterable[tuple[int, float]],
-                          **kwargs) -> StepCostModel:
-        """One bucket per distinct T holding the mean of its measurements."""
-        groups: dict[int, list[float]] = {}
-        for t, s in measurements:
-            groups.setdefault(int(t), []).append(float(s))
-        if not groups:
-            raise ValueError("need at least one (tokens, seconds) measurement")
-        ts = sorted(groups)
-        return cls(ts, [statistics.fmean(groups[t]) for t in ts],
-                   [len(groups[t]) for t in ts], **kwargs)
-
-    @classmethod
-    def linear(cls, fixed: float, per_token: float, max_tokens: int = 8192,
-               knee_tokens: int = 0, **kwargs) -> StepCostModel:
-        """Synthetic roofline: ``fixed`` up to ``knee_tokens``, then + ``per_token`` each."""
-        grid = set(default_grid(max_tokens))
-        if knee_tokens >= 1:
-            grid.add(knee_tokens)
-        grid = sorted(grid)
-        return cls(grid, [fixed + per_token * max(0, t - knee_tokens) for t in grid], **kwargs)
+    def coefficients(self) -> dict[str, float]:
+        return {name: float(v) for name, v in zip(FEATURES, self.weights)}
 
     # ---- queries ----
+    def cost(self, shape: StepShape) -> float:
+        return max(float(shape.features() @ self.weights), _MIN_COST)
+
+    def cost_of(self, requests, tokens, logit_rows, attention) -> np.ndarray:
+        """Vectorised cost over arrays of the shape's fields."""
+        return np.maximum(features(requests, tokens, logit_rows, attention) @ self.weights, _MIN_COST)
+
+    def token_curve(self, base: StepShape, extra_rows: np.ndarray) -> np.ndarray:
+        """Cost of ``base`` plus ``extra_rows`` decode/verify rows of *no* attention cost (the
+        per-row part that depends only on the row count; the attention part is per request)."""
+        w = self.weights
+        d = np.asarray(extra_rows, dtype=np.float64)
+        t = base.tokens + d
+        y = float(base.features() @ w) + (w[2] + w[3]) * d
+        for i, k in enumerate(HINGE_KNOTS):
+            if w[5 + i] > 0:
+                y = y + w[5 + i] * (np.maximum(t - k, 0.0) - max(base.tokens - k, 0))
+        return np.maximum(y, _MIN_COST)
+
     @property
-    def points(self) -> list[tuple[int, float]]:
-        """(T, fitted monotone cost) per bucket."""
-        return [(int(t), float(c)) for t, c in zip(self._t, self._fit)]
+    def attention_weight(self) -> float:
+        """Seconds per thousand attended keys."""
+        return float(self.weights[FEATURES.index("attention")])
 
-    def cost(self, tokens, num_requests=None):
-        """c(T) for an int or an array of token counts (array in, array out); with
-        ``num_requests`` = B (int or array) adds ``per_request * (B - 1)``."""
-        y = self._h(tokens)
-        if num_requests is not None and self.per_request > 0:
-            extra = self.per_request * np.maximum(np.asarray(num_requests, dtype=np.float64) - 1, 0)
-            y = y + extra
-            if np.ndim(y) == 0:
-                y = float(y)
-        return y
-
-    def _h(self, tokens):
-        x = np.asarray(tokens, dtype=np.float64)
-        y = np.interp(x, self._t, self._fit)
-        if len(self._t) > 1:
-            slope = (self._fit[-1] - self._fit[-2]) / (self._t[-1] - self._t[-2])
-            y = np.where(x > self._t[-1], self._fit[-1] + slope * (x - self._t[-1]), y)
-        y = np.maximum(y, _MIN_COST)
-        return float(y) if y.ndim == 0 else y
-
-    __call__ = cost
-
-    # ---- online refinement ----
-    def update(self, tokens: int, seconds: float, num_requests: int | None = None) -> None:
-        """Fold one measured step (``tokens`` total tokens took ``seconds``) into the model.
-
-        With ``num_requests`` (requests in the step) the per-request term learns from the
-        residual over h(T) and h hears only ``seconds - per_request * (num_requests - 1)``."""
-        if tokens < 1 or not np.isfinite(seconds) or seconds < 0:
-            raise ValueError(f"need tokens >= 1 and finite seconds >= 0, got {tokens}, {seconds}")
-        self.num_updates += 1
-        t = float(tokens)
-        if num_requests is not None and num_requests > 1:
-            x = float(num_requests) - 1.0
-            h = float(self._h(t))
-            pred = h + self.per_request * x
-            f = self.max_update_factor
-            # one-off stalls move it little; no clip before the term has any evidence
-            clipped = min(max(seconds, pred / f), pred * f) if self._sxx > 0 else seconds
-            self._update_per_request(x, clipped - h)
-            seconds = max(seconds - self.per_request * x, 0.0)
-        if self.scale_ewma > 0:
-            r = seconds / float(self.cost(t))
-            r = min(max(r, 1.0 / self.max_update_factor), self.max_update_factor)
-            f = 1.0 + self.scale_ewma * (r - 1.0)
-            self._raw = self._raw * f
-            self._fit = np.maximum(self._fit * f, _MIN_COST)
-        if len(self._t) < self.max_buckets and (t > 1.25 * self._t[-1] or t * 1.25 < self._t[0]):
-            self._insert(t, seconds)
+    # ---- online ----
+    def update(self, shape: StepShape, seconds: float) -> None:
+        """Fold one measured step in (``seconds`` clipped near the current prediction)."""
+        if not (np.isfinite(seconds) and seconds >= 0) or shape.tokens < 0:
+            raise ValueError(f"need finite seconds >= 0 and tokens >= 0, got {seconds}, {shape}")
+        if shape.tokens == 0:
             return
-        i = int(np.searchsorted(self._t, t))
-        if i == len(self._t) or (i > 0 and t - self._t[i - 1] <= self._t[i] - t):
-            i -= 1
-        shifted = seconds + self._fit[i] - float(self.cost(t))
-        old = self._raw[i]
-        if old > 0:
-            shifted = min(max(shifted, old / self.max_update_factor), old * self.max_update_factor)
-        self._raw[i] = old + self.ewma * (max(shifted, 0.0) - old)
-        self._n[i] += 1
-        self._refit()
+        pred = self.cost(shape)
+        f = self.max_update_factor
+        s = min(max(float(seconds), pred / f), pred * f)
+        if self.forget < 1.0:
+            self._a *= self.forget
+            self._b *= self.forget
+        self._fold_into(self._a, self._b, shape.features(), s, 1.0)
+        self.num_updates += 1
+        self._stale += 1
 
-    def _insert(self, t: float, seconds: float) -> None:
-        i = int(np.searchsorted(self._t, t))
-        self._t = np.insert(self._t, i, t)
-        self._raw = np.insert(self._raw, i, seconds)
-        self._n = np.insert(self._n, i, 1.0)
-        self._refit()
+    # ---- transactions (the controller snapshots around a step) ----
+    def snapshot(self) -> tuple:
+        return (self._a.copy(), self._b.copy(), self.num_updates, self._w, self._stale)
 
-    def _refit(self) -> None:
-        fit = isotonic_non_decreasing(self._raw, np.minimum(self._n, _WEIGHT_CAP))
-        self._fit = np.maximum(fit, _MIN_COST)
+    def restore(self, saved: tuple) -> None:
+        self._a, self._b, self.num_updates, self._w, self._stale = saved
 
     def __repr__(self) -> str:
-        pts = ", ".join(f"{t}:{c:.3g}" for t, c in self.points)
-        extra = f", per_request={self.per_request:.3g}" if self.per_request else ""
-        return f"StepCostModel([{pts}]{extra})"
+        co = ", ".join(f"{k}={v:.3g}" for k, v in self.coefficients().items() if v > 0)
+        return f"StepCostModel({co}; {self.num_updates} updates)"
 
 
-def measure_step_costs(run_forward: Callable[[int], None], grid: Iterable[int], *,
-                       warmup: int = 1, repeats: int = 3,
-                       timer: Callable[[], float] = time.perf_counter,
-                       **kwargs) -> StepCostModel:
-    """Time ``run_forward(T)`` for every T in ``grid`` and build a ``StepCostModel``.
-
-    Per grid point: ``warmup`` untimed calls (allocator growth, autotuning, graph capture), then
-    ``repeats`` timed calls; the bucket holds their median (robust to a stray slow call).
-    ``run_forward`` must run one full step carrying T tokens and block until it is done.
-    """
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
-    measurements: list[tuple[int, float]] = []
-    for t in sorted(set(int(g) for g in grid)):
-        if t < 1:
-            raise ValueError(f"grid token counts must be >= 1, got {t}")
-        for _ in range(warmup):
-            run_forward(t)
-        times = []
-        for _ in range(repeats):
-            start = timer()
-            run_forward(t)
-            times.append(timer() - start)
-        measurements.append((t, statistics.median(times)))
-    if not measurements:
-        raise ValueError("grid is empty")
-    return StepCostModel.from_measurements(measurements, **kwargs)
+def synthetic_model(step: float = 0.0, per_request: float = 0.0, per_token: float = 0.0,
+                    per_logit_row: float = 0.0, per_kkey: float = 0.0,
+                    hinges: Sequence[float] = (), **kwargs) -> StepCostModel:
+    """A model whose prior is generated exactly by the given weights (tests, benches' what-ifs).
+    The prior is dense enough over every feature that the fit returns these weights."""
+    w = np.array([step, per_request, per_token, per_logit_row, per_kkey]
+                 + list(hinges) + [0.0] * (len(HINGE_KNOTS) - len(hinges)))
+    if np.any(w < 0):
+        raise ValueError("synthetic weights must be >= 0")
+    prior = []
+    for b in (1, 2, 4, 16, 64):
+        for t in sorted({b, 2 * b, b + 3, 3 * b + 5, b + 70, b + 300}):
+            for lr in sorted({b, t}):
+                for att in (0.0, 0.5 * b, 4.0 * b):
+                    shape = StepShape(b, t, lr, att)
+                    prior.append((shape, max(float(shape.features() @ w), _MIN_COST)))
+    return StepCostModel(prior, **kwargs)

@@ -23,8 +23,9 @@ from typing import Any
 
 from tokenbudget.api.spec_config import SpeculativeConfig
 from tokenbudget.scheduler.drafts import DraftBatch, draft_limit
-from tokenbudget.scheduler.output import EngineCoreOutput
+from tokenbudget.scheduler.output import EngineCoreOutput, SchedulerOutput
 from tokenbudget.scheduler.request import Request
+from tokenbudget.spec.cost_model import StepShape, request_attention, step_shape
 from tokenbudget.spec.metrics import SpecDecodingStats
 
 
@@ -66,8 +67,7 @@ class Speculator:
                 # drafts that exist (a request without a match costs nothing and gets k = 0).
                 drafted = self.proposer.propose(decoding, caps)
                 caps = [len(d) for d in drafted]
-            base = min(_base_tokens(scheduler, decoding), scheduler.config.max_num_batched_tokens)
-            ks = self.controller.choose(decoding, base, caps, base_requests=_base_requests(scheduler, decoding))
+            ks = self.controller.choose(decoding, _base_shape(scheduler, decoding), caps)
         else:
             ks = [draft_limit(r, max_model_len, self.max_k) for r in decoding]
         chosen = [(r, k) for r, k in zip(decoding, ks) if k > 0]
@@ -88,9 +88,10 @@ class Speculator:
             self.controller.restore(self._saved_controller)
         self._saved_controller = None
 
-    def commit(self, plan: list[EngineCoreOutput], step_tokens: int, step_seconds: float | None,
-               step_requests: int) -> None:
-        """The step committed: record each request's verify, the step's cost."""
+    def commit(self, plan: list[EngineCoreOutput], sched: SchedulerOutput | None = None,
+               step_seconds: float | None = None) -> None:
+        """The step committed: record each request's verify; the step (``sched``) and its
+        measured ``step_seconds`` (when known) teach the controller's cost model."""
         if self.proposer is None:
             return
         self.proposer.commit()
@@ -101,8 +102,8 @@ class Speculator:
                 stats.observe(entry.num_draft_tokens, entry.num_accepted_tokens)
                 if controller is not None and entry.num_draft_tokens:
                     controller.observe(entry.request_id, entry.num_draft_tokens, entry.num_accepted_tokens)
-        if controller is not None and step_seconds is not None and step_tokens:
-            controller.observe_step(step_tokens, step_seconds, num_requests=max(step_requests, 1))
+        if controller is not None and step_seconds is not None and sched is not None:
+            controller.observe_step(step_shape(sched), step_seconds)
 
     def on_finished(self, request: Request) -> None:
         if self.proposer is None:
@@ -112,12 +113,21 @@ class Speculator:
             self.controller.forget(request.request_id)
 
 
-def _base_requests(scheduler, decoding) -> int:
-    """Requests the next step runs besides the decoding ones (prefills, non-speculating)."""
+def _base_shape(scheduler, decoding) -> StepShape:
+    """What the next step runs besides the decoding requests' 1 + k rows: the prefill chunks of
+    the other running requests, in order, within the token budget."""
     ids = {id(r) for r in decoding}
-    return sum(1 for r in scheduler.running if id(r) not in ids and r.num_tokens - r.num_computed_tokens > 0)
-
-
-def _base_tokens(scheduler, decoding) -> int:
-    """Tokens the next step runs besides the decoding requests' 1 + k (prefill chunks)."""
-    return sum(r.num_tokens - r.num_computed_tokens for r in scheduler.running) - len(decoding)
+    budget = scheduler.config.max_num_batched_tokens - len(decoding)
+    requests = tokens = logit_rows = 0
+    attention = 0.0
+    for r in scheduler.running:
+        pending = r.num_tokens - r.num_computed_tokens
+        if id(r) in ids or pending <= 0 or budget <= 0:
+            continue
+        n = min(pending, budget)
+        budget -= n
+        requests += 1
+        tokens += n
+        logit_rows += n == pending
+        attention += request_attention(r.num_computed_tokens, n)
+    return StepShape(requests, tokens, logit_rows, attention)

@@ -52,3 +52,30 @@ def test_per_request_speculation_control(engines) -> None:
                            use_tqdm=False)[0]
     assert capped.metrics.num_draft_tokens <= capped.metrics.num_draft_steps  # at most 1 per step
     assert capped.outputs[0].token_ids == off.outputs[0].token_ids
+
+
+def test_the_engine_teaches_the_cost_model_its_own_steps(engines) -> None:
+    """Every committed step's shape and wall time reach the controller's cost model, which stays
+    a non-negative fit that predicts the steps it saw to within the machine's noise."""
+    import numpy as np
+
+    from tokenbudget.spec.cost_model import step_shape
+
+    _, auto = engines
+    core = auto.engine.core
+    model = core.speculator.controller.cost_model
+    seen = []
+    execute = core.runner.execute
+
+    def recording(sched):
+        seen.append(step_shape(sched))
+        return execute(sched)
+    core.runner.execute = recording
+    try:
+        before = model.num_updates
+        auto.generate(_prompts(auto), SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
+    finally:
+        core.runner.execute = execute
+    assert model.num_updates - before == len(seen) > 0
+    assert np.all(model.weights >= 0)
+    assert all(model.cost(s) > 0 for s in seen)

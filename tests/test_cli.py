@@ -124,3 +124,19 @@ def test_bad_values_return_2_with_message(engines, tmp_path, capsys) -> None:
     assert "prompt" in capsys.readouterr().err
     for llm in engines.values():
         assert_all_blocks_free(llm.engine)
+
+
+def test_speculation_defaults_to_the_adaptive_draft_length() -> None:
+    """The showcase (`tokenbudget generate PROMPT`) speculates with ``num_speculative_tokens="auto"``
+    unless told otherwise; an explicit count and ``--no-spec`` still win."""
+    import argparse
+
+    from tokenbudget.cli import generate
+
+    parser = argparse.ArgumentParser()
+    generate.add_parser(parser.add_subparsers())
+    cfg = generate.speculative_config_from_args
+    assert cfg(parser.parse_args(["generate", "x"])) == {"method": "ngram", "num_speculative_tokens": "auto"}
+    assert cfg(parser.parse_args(["generate", "x", "--spec-method", "suffix"]))["num_speculative_tokens"] == "auto"
+    assert cfg(parser.parse_args(["generate", "x", "--num-spec-tokens", "3"]))["num_speculative_tokens"] == 3
+    assert cfg(parser.parse_args(["generate", "x", "--no-spec"])) is None

@@ -61,6 +61,10 @@ TINY_SPECS = {
     "suffix": {"method": "suffix", "num_speculative_tokens": 4},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},  # model: filled in
     "self_draft": {"method": "self_draft", "draft_num_layers": 2, "num_speculative_tokens": 3},
+    # the draft-length controller: k chosen per request per step, whatever the chunking
+    "ngram_auto": {"method": "ngram", "num_speculative_tokens": "auto"},
+    "suffix_auto": {"method": "suffix", "num_speculative_tokens": "auto"},
+    "self_draft_auto": {"method": "self_draft", "draft_num_layers": 2, "num_speculative_tokens": "auto"},
 }
 
 
@@ -70,9 +74,9 @@ def _drafter_kv_share(tiny, method: str) -> float:
     target = kv_elements_per_token(tiny["target"])
     if method == "draft_model":
         return kv_elements_per_token(tiny["draft"]) / target
-    if method == "self_draft":
+    if TINY_SPECS[method] and TINY_SPECS[method]["method"] == "self_draft":
         with open(os.path.join(tiny["target"], "config.json")) as f:
-            return TINY_SPECS["self_draft"]["draft_num_layers"] / json.load(f)["num_hidden_layers"]
+            return TINY_SPECS[method]["draft_num_layers"] / json.load(f)["num_hidden_layers"]
     return 0.0
 
 
@@ -128,6 +132,7 @@ SMOL_SPECS = {
     "suffix": {"method": "suffix", "num_speculative_tokens": 4},
     # 27 of 30 layers: a real mix of accepted and rejected drafts (alpha ~0.3 at k = 4).
     "self_draft": {"method": "self_draft", "draft_num_layers": 27, "num_speculative_tokens": 3},
+    "ngram_auto": {"method": "ngram", "num_speculative_tokens": "auto"},
 }
 
 

@@ -97,6 +97,7 @@ class EngineCore:
         self.num_generated_tokens = 0  # output tokens committed
         self.throughput = ThroughputMeter()
         self._participants: set[str] = set()
+        self._step_clock = 0.0  # perf_counter() when the current attempt began
         self._fault_outputs: list[RequestOutput] = []  # this step's requests ended by a RequestFault
 
     # ------------------------------------------------------------------ requests (between steps)
@@ -187,6 +188,7 @@ class EngineCore:
         dirty = False
         scheduler.begin_step()
         step_start = time.monotonic()
+        self._step_clock = time.perf_counter()
         try:
             drafts = speculator.propose(scheduler, only)
             with deferred_sigint():
@@ -208,10 +210,10 @@ class EngineCore:
                 scheduler.rollback_step(dirty)
             raise
         with deferred_sigint():
-            return self._commit(sched, plan, step_outputs, result.step_seconds)
+            return self._commit(sched, plan, step_outputs)
 
     def _commit(self, sched: SchedulerOutput, plan: list[EngineCoreOutput],
-                step_outputs: list[RequestOutput], step_seconds: float | None) -> list[RequestOutput]:
+                step_outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Commit the step; its outputs with children's gathered into their parents'."""
         try:
             finished = self.scheduler.apply_update(sched, plan)
@@ -220,12 +222,19 @@ class EngineCore:
             self.num_generated_tokens += generated
             self.throughput.add(generated)
             self.structured.commit(plan)
-            self.speculator.commit(plan, sched.total_num_scheduled_tokens, step_seconds, len(sched.scheduled))
+            self.speculator.commit(plan, sched, self._step_seconds())
             for request in finished:
                 self._release(request)
             return self.outputs.gather(step_outputs)
         except BaseException as exc:  # a bug: the state may be half committed
             self._die(exc)
+
+    def _step_seconds(self) -> float:
+        """Wall seconds of this attempt so far (drafting, scheduling, the runner, outputs): the
+        time the draft-length controller's cost model learns from. The whole step, not the
+        runner's forward alone: drafting, verification bookkeeping and output processing are
+        what a user waits for too, and they grow with the drafts."""
+        return time.perf_counter() - self._step_clock
 
     # ------------------------------------------------------------------ faults
     def _try(self, only: Collection[str] | None) -> list[RequestOutput]:

@@ -20,6 +20,8 @@ def build_proposer(config: SpeculativeConfig, max_model_len: int, target=None, s
 
 
 def build_controller(config: SpeculativeConfig, cost_model=None):
+    """The draft-length controller for ``"auto"`` (None otherwise); ``cost_model`` is the engine's
+    measured ``spec.cost_model.StepCostModel``."""
     if not config.is_adaptive:
         return None
     from tokenbudget.spec.adaptive import AdaptiveSpecController

@@ -16,7 +16,6 @@ where a grammar's fault is still its request's); the runner only applies them to
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
@@ -83,7 +82,6 @@ class ModelRunner:
         req_ids = [sr.request_id for sr in sched.scheduled]
         if sched.is_empty:
             return ModelRunnerOutput(req_ids, [])
-        start = time.perf_counter()
         logits, batch, hidden = self._forward(sched)
         prompt_logprobs = None
         if wants_prompt_logprobs(sched):
@@ -102,9 +100,9 @@ class ModelRunner:
                 logprobs = [[] for _ in req_ids]
                 for i, lp in zip(owners, out.logprobs):
                     logprobs[i] = lp if lp is not None else []
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # the engine's step clock (the controller's cost model) sees the device work
             torch.cuda.synchronize()
-        return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs, time.perf_counter() - start)
+        return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
 
     @staticmethod
     def _sampling_rows(sched: SchedulerOutput, num_samples: list[int]):

@@ -1,16 +1,16 @@
-"""Start-up measurement of the target's step cost c(T) for the adaptive draft-length controller.
+"""Start-up prior of the step cost model (``spec.cost_model``) for the draft-length controller.
 
-Runs the real runner (forward + logits) on a throw-away request of T tokens whose every row
-needs logits (the shape of a decode/verify batch, where each token is sampled or verified), over
-a small grid of T. Block ids 0.. are written with garbage KV: at start-up no request holds them,
-and every slot is written before it is read later. The grid stops at 256 tokens to keep start-up
-short; above it the cost model extrapolates, and online updates from real steps refine it.
+Times the real runner (forward + logits) on throw-away steps of chosen shapes, so every feature
+of the model is excited once before the first real step: one request of T rows that all need
+logits (T over a power-of-two grid: the decode/verify shape at batch 1, and the row curve's
+bends), B one-row decode requests (per-request work), a decode and a verify after a long context
+(attention), and prefill chunks without logits (rows vs logit rows). Block ids 0.. are written
+with garbage KV: at start-up no request holds them, and every slot is written before it is read
+later. The grid stops at 256 rows and the long context at 1024 tokens to keep start-up short;
+online updates from real steps take over from there.
 
-Then a few decode-shaped steps of B requests of one token each (B in {1, 4, 16}, capped by
-``max_num_seqs`` and the KV pool; each request has its own block and a context of one block)
-seed the model's per-request term (``StepCostModel.fit_per_request``): on the torch attention
-backend every request adds fixed overhead, so real multi-request steps cost more than the
-single-request probe at the same T.
+The prior measures the runner only; the engine's online updates time the whole step (proposer,
+scheduler, sampler, outputs), so the model's level moves within a few dozen steps.
 """
 
 from __future__ import annotations
@@ -22,26 +22,37 @@ import torch
 
 from tokenbudget.scheduler.config import SchedulerConfig
 from tokenbudget.scheduler.output import ScheduledRequest, SchedulerOutput
-from tokenbudget.spec.cost_model import StepCostModel, default_grid, measure_step_costs
+from tokenbudget.spec.cost_model import StepCostModel, StepShape, default_grid, step_shape
 
 
-def _dummy_step(num_tokens: int, block_size: int) -> SchedulerOutput:
-    tokens = [0] * num_tokens
-    blocks = list(range(-(-num_tokens // block_size)))
-    sr = ScheduledRequest(request_id="__cost_probe__", num_computed_tokens=0, token_ids=tokens,
-                          spec_token_ids=tokens[1:], block_ids=blocks, is_new=True, needs_sample=True)
-    return SchedulerOutput([sr], num_tokens)
+def _request(i: int, context: int, rows: int, block_size: int, first_block: int,
+             needs_sample: bool = True) -> ScheduledRequest:
+    tokens = [0] * rows
+    blocks = list(range(first_block, first_block + -(-(context + rows) // block_size)))
+    spec = tokens[1:] if needs_sample else []
+    return ScheduledRequest(request_id=f"__cost_probe_{i}__", num_computed_tokens=context, token_ids=tokens,
+                            spec_token_ids=spec, block_ids=blocks, is_new=True, needs_sample=needs_sample)
 
 
-def _dummy_decode_step(num_requests: int, block_size: int) -> SchedulerOutput:
-    """``num_requests`` requests decoding one token each after a context of ``block_size - 1``
-    tokens, each in its own block (ids 0..num_requests-1)."""
-    ctx = max(block_size - 1, 0)
-    srs = []
-    for i in range(num_requests):
-        srs.append(ScheduledRequest(request_id=f"__cost_probe_{i}__", num_computed_tokens=ctx, token_ids=[0],
-                                    spec_token_ids=[], block_ids=[i], is_new=True, needs_sample=True))
-    return SchedulerOutput(srs, num_requests)
+def probe_steps(sched_config: SchedulerConfig, max_tokens: int = 256,
+                max_context: int = 1024) -> list[SchedulerOutput]:
+    """The start-up probe's steps, within the budget, the block pool and ``max_num_seqs``."""
+    bs = sched_config.block_size
+    slots = sched_config.num_blocks * bs
+    limit = max(1, min(max_tokens, sched_config.max_num_batched_tokens, slots))
+    steps = [SchedulerOutput([_request(0, 0, t, bs, 0)], t) for t in default_grid(limit)]
+    max_b = min(sched_config.max_num_seqs, sched_config.num_blocks, limit)
+    for b in sorted({b for b in (4, 16, 64) if b <= max_b}):
+        srs = [_request(i, bs - 1, 1, bs, i) for i in range(b)]
+        steps.append(SchedulerOutput(srs, b))
+    ctx = min(max_context, slots - 16, sched_config.max_model_len - 16)
+    if ctx >= 4 * bs:
+        for rows in (1, min(5, limit)):
+            steps.append(SchedulerOutput([_request(0, ctx, rows, bs, 0)], rows))
+    for t in sorted({min(64, limit), limit}):
+        if t > 1:
+            steps.append(SchedulerOutput([_request(0, 0, t, bs, 0, needs_sample=False)], t))
+    return steps
 
 
 def _median_time(fn, warmup: int, repeats: int) -> float:
@@ -55,27 +66,17 @@ def _median_time(fn, warmup: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_runner_costs(runner, sched_config: SchedulerConfig, max_tokens: int = 256) -> StepCostModel:
-    limit = min(max_tokens, sched_config.max_num_batched_tokens,
-                sched_config.num_blocks * sched_config.block_size)
-    steps = {t: _dummy_step(t, sched_config.block_size) for t in default_grid(limit)}
-
+def measure_runner_costs(runner, sched_config: SchedulerConfig, max_tokens: int = 256,
+                         **kwargs) -> StepCostModel:
+    """A ``StepCostModel`` whose prior is this runner's time on ``probe_steps``."""
     def run_step(step: SchedulerOutput) -> None:
         with torch.inference_mode():
             runner.compute_logits(step)
         if runner.device.type == "cuda":
             torch.cuda.synchronize()
 
-    # scale_ewma (spec.cost_model) stays off: on benches/adaptive.py it was not shown to help
-    # (one noisy run), and at large batches it spreads per-request costs into every bucket.
-    model = measure_step_costs(lambda t: run_step(steps[t]), sorted(steps), warmup=1, repeats=2)
-
-    max_b = min(getattr(sched_config, "max_num_seqs", 16), sched_config.num_blocks, limit)
-    sizes = sorted({b for b in (1, 4, 16) if b <= max_b})
-    if len(sizes) > 1:
-        measured = []
-        for b in sizes:
-            step = _dummy_decode_step(b, sched_config.block_size)
-            measured.append((b, b, _median_time(lambda: run_step(step), warmup=1, repeats=3)))
-        model.fit_per_request(measured)
-    return model
+    prior: list[tuple[StepShape, float]] = []
+    for step in probe_steps(sched_config, max_tokens):
+        seconds = _median_time(lambda: run_step(step), warmup=1, repeats=2)
+        prior.append((step_shape(step), max(seconds, 1e-9)))
+    return StepCostModel(prior, **kwargs)
