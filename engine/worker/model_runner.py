@@ -19,6 +19,7 @@ import time
 import torch
 
 from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.engine.model.cpu_forward import c_forward_name
 from tokenbudget.engine.worker.input_batch import InputBatch, prepare_inputs
 from tokenbudget.engine.worker.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
 from tokenbudget.engine.worker.sampler import SamplingRow
@@ -51,7 +52,8 @@ class ModelRunner:
             spec = AttentionSpec(config.num_attention_heads, config.num_key_value_heads,
                                  config.resolved_head_dim, block_size,
                                  kv_caches[0].dtype if kv_caches else torch.float32)
-            attn_backend = select_attention_backend(self.device, spec, deterministic=deterministic)
+            attn_backend = select_attention_backend(self.device, spec, deterministic=deterministic,
+                                                    attends_itself=c_forward_name(model))
         self.attn_backend = attn_backend
         # engine.structured.manager.StructuredOutputs: grammar masks on the sampling rows.
         self.structured = structured

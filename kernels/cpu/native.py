@@ -10,9 +10,10 @@ under ``$TOKENBUDGET_CACHE`` (default ``~/.cache/tokenbudget``)/native keyed by 
 flags and the compiler, and written atomically (concurrent first uses are safe).
 
 Which variant runs (``selected_variant``): ``TOKENBUDGET_NATIVE`` unset (or ``1``/``auto``) takes
-the first of ``VARIANTS`` this CPU can execute (``scalar`` always can); a variant name forces it
-(``ValueError`` if the name is unknown or the CPU lacks its instructions); ``0`` keeps torch's
-kernels. ``library()`` returns None - and callers keep torch's kernels - for ``0``, when no C
+the first SIMD variant of ``VARIANTS`` this CPU can execute, and torch's kernels where there is
+none: the portable ``scalar`` variant (any CPU, any C compiler) is slower than torch's kernels
+(benches/RESULTS.md), so it runs only when named. A variant name forces it (``ValueError`` if the
+name is unknown or the CPU lacks its instructions); ``0`` keeps torch's kernels. ``library()`` returns None - and callers keep torch's kernels - for ``0``, when no C
 compiler is found or when the build fails (logged once; ``build_error`` says why).
 
 OpenMP: ``-fopenmp`` (gcc, clang with libomp); on macOS ``-Xpreprocessor -fopenmp -lomp`` where
@@ -141,7 +142,8 @@ def selected_variant() -> str | None:
     if want == "0":
         return None
     if want in ("", "1", "auto"):
-        return runnable_variants()[0]
+        best = runnable_variants()[0]
+        return None if best == "scalar" else best
     if want not in BY_NAME:
         raise ValueError(f"{ENV}={want!r}: expected one of 0, auto, {', '.join(BY_NAME)}")
     lacks = missing(want)
@@ -236,14 +238,17 @@ def library() -> ctypes.CDLL | None:
     return None if variant is None else load(variant)
 
 
-def describe() -> str:
-    """What runs the CPU's quantized linears, for the start-up line: ``C avx2`` or why torch's."""
+def unavailable_reason() -> str:
+    """Why torch's kernels run instead of the C kernels ("" where the C kernels load), for the
+    start-up line."""
     try:
         variant = selected_variant()
     except ValueError as e:
-        return f"torch ({e})"
+        return str(e)
     if variant is None:
-        return f"torch ({ENV}=0)"
+        if os.environ.get(ENV, "").strip() == "0":
+            return f"{ENV}=0"
+        return f"no SIMD kernel variant for this CPU; {ENV}=scalar runs the portable one"
     if load(variant) is None:
-        return f"torch (C {variant} build failed)"
-    return f"C {variant}"
+        return f"the C {variant} build failed: {(build_error(variant) or '').splitlines()[-1:]}"
+    return ""

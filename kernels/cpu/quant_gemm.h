@@ -29,6 +29,9 @@ typedef struct {
     int64_t k;
 } XRows;
 
+/* The variant this library was built as (quant_gemm.c). */
+const char *tb_variant(void);
+
 /* out[m][n] (+)= x[m] . W[n] (+ bias[n]), batch invariant; 0, or -1 when out of memory. */
 __attribute__((visibility("hidden"))) int tb_linear(const Lin *L, const float *x, int64_t m, int64_t k, int64_t n,
                                                     float *out, int accumulate, int nthreads);
