@@ -27,23 +27,36 @@ from tokenbudget.engine.model import build_model
 from tokenbudget.engine.model.quant import quantize_model
 
 from batch_schedules import CFG, SCHEDULES, random_state_dict, run_schedule
+from native_variants import VARIANTS, use_variant
 
 
-@pytest.fixture(params=["auto", "torch"])
+@pytest.fixture
 def quant_kernel(request, monkeypatch):
-    """``auto``: the C kernels and forward where they run (kernels/cpu); ``torch``: torch's
-    weight-only kernels and the torch forward, as on a machine without AVX-512 VNNI."""
+    """A C kernel variant (kernels/cpu; each one this CPU executes, tests/native_variants.py) with
+    the C forward, or ``torch``: torch's weight-only kernels and the torch forward, as where no C
+    variant runs."""
     if request.param == "torch":
         monkeypatch.setattr("tokenbudget.kernels.cpu.quant_gemm.supports", lambda in_features: False)
+    else:
+        use_variant(request.param, monkeypatch)
     return request.param
 
 
-@pytest.mark.parametrize("dtype,quantization", [(torch.float32, "none"), (torch.bfloat16, "none"),
-                                                (torch.float32, "int8"), (torch.float32, "int4")])
+def _assert_runs_on(model, quantization: str, quant_kernel: str) -> None:
+    """The quantized model takes the path the case names (the one-call C forward iff a C variant)."""
+    if quantization != "none":
+        assert (getattr(model, "cpu_forward", None) is not None) == (quant_kernel != "torch"), quant_kernel
+
+
+# An unquantized model involves no quantized kernel: its cases run once (``torch``).
+KERNEL_CASES = [(torch.float32, "none", "torch"), (torch.bfloat16, "none", "torch")] + [
+    (torch.float32, q, k) for q in ("int8", "int4") for k in (*VARIANTS, "torch")]
+
+
+@pytest.mark.parametrize("dtype,quantization,quant_kernel", KERNEL_CASES, indirect=["quant_kernel"])
 def test_logits_bitwise_identical_across_schedules(dtype, quantization, quant_kernel):
-    if quantization == "none" and quant_kernel == "torch":
-        pytest.skip("no quantized kernel involved")
     model = quantize_model(build_model(CFG, random_state_dict(CFG), dtype, "cpu"), quantization)
+    _assert_runs_on(model, quantization, quant_kernel)
     rng = random.Random(1)
     seqs = [[rng.randrange(CFG.vocab_size) for _ in range(n)] for n in (3, 37, 70, 290)]
     results = {name: run_schedule(model, seqs, fn, dtype, seed)
@@ -55,12 +68,14 @@ def test_logits_bitwise_identical_across_schedules(dtype, quantization, quant_ke
             assert not diff, f"{dtype}/{quantization} schedule {name!r}, seq {s}: positions {diff[:10]} differ"
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize("quantization,quant_kernel", [(q, k) for _, q, k in KERNEL_CASES[1:]],
+                         indirect=["quant_kernel"])
 def test_position_alone_vs_in_batch(quantization, quant_kernel):
     """One position computed by a 1-token forward equals the same position inside a 5-row verify
     chunk batched with a prefill chunk and a decode of other requests."""
     model = quantize_model(build_model(CFG, random_state_dict(CFG, seed=3), torch.float32, "cpu"),
                            quantization)
+    _assert_runs_on(model, quantization, quant_kernel)
     rng = random.Random(5)
     seqs = [[rng.randrange(CFG.vocab_size) for _ in range(n)] for n in (20, 33, 9)]
     alone = run_schedule(model, [seqs[0]], lambda r, rem: 15 if rem == 20 else 1, torch.float32, 0)
