@@ -163,10 +163,11 @@ typedef struct {
     const int32_t *row_ctx, *row_req, *block_tables;
 } TbForward;
 
+
 /* 0, or -1 when out of memory. */
 int tb_forward(const TbForward *a) {
     const int64_t t = a->num_tokens, nl = a->num_layers;
-    const int nthreads = (int)a->num_threads;
+    const int nthreads = tb_team(t, (int)a->num_threads);
     const Dims dm = {a->hidden, a->num_heads, a->num_kv_heads, a->head_dim, a->intermediate, a->block_size,
                      a->max_blocks, a->eps, a->scale};
     float *x = a->x;
@@ -179,8 +180,10 @@ int tb_forward(const TbForward *a) {
     float *hs = malloc(t * h * sizeof(float)), *qkv = malloc(t * qkvn * sizeof(float));
     float *att = malloc(t * qsz * sizeof(float)), *gu = malloc(t * 2 * inter * sizeof(float));
     float *act = malloc(t * inter * sizeof(float));
-    int rc = hs && qkv && att && gu && act ? 0 : -1;
-    const int par_rows = t >= 4 ? nthreads : 1;
+    XRows rows = {0}; /* the quantized activations of every linear: K is at most max(H, Hq * D, I) */
+    const int64_t kmax = h > qsz ? (h > inter ? h : inter) : (qsz > inter ? qsz : inter);
+    int rc = hs && qkv && att && gu && act && tb_rows_alloc(&rows, t, kmax) ? 0 : -1;
+    const int par_rows = nthreads;
     for (int64_t l = 0; l < nl && rc == 0; l++) {
         const TbLayer *layer = a->layers + l;
         const float *in_norm = layer->input_norm, *post_norm = layer->post_norm;
@@ -188,7 +191,7 @@ int tb_forward(const TbForward *a) {
         const Lin *lqkv = &layer->qkv, *lo = &layer->o, *lgu = &layer->gate_up, *ldn = &layer->down;
 #pragma omp parallel for num_threads(par_rows) schedule(static)
         for (int64_t r = 0; r < t; r++) rms_norm_row(x + r * h, in_norm, h, dm.eps, hs + r * h);
-        rc |= tb_linear(lqkv, hs, t, h, qkvn, qkv, 0, nthreads);
+        rc |= tb_linear(lqkv, hs, t, h, qkvn, qkv, 0, nthreads, &rows);
 #pragma omp parallel for num_threads(par_rows) schedule(static)
         for (int64_t r = 0; r < t; r++) {
             float *row = qkv + r * qkvn;
@@ -197,7 +200,7 @@ int tb_forward(const TbForward *a) {
             memcpy(kv + ((blk * 2) * dm.bs + off) * kvsz, row + qsz, kvsz * sizeof(float));
             memcpy(kv + ((blk * 2 + 1) * dm.bs + off) * kvsz, row + qsz + kvsz, kvsz * sizeof(float));
         }
-#pragma omp parallel num_threads(t * dm.hk >= 2 ? nthreads : 1)
+#pragma omp parallel num_threads(nthreads)
         {
             float *scores = malloc((dm.hq / dm.hk) * max_ctx * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
@@ -213,10 +216,10 @@ int tb_forward(const TbForward *a) {
             }
             free(scores);
         }
-        rc |= tb_linear(lo, att, t, qsz, h, x, 1, nthreads);
+        rc |= tb_linear(lo, att, t, qsz, h, x, 1, nthreads, &rows);
 #pragma omp parallel for num_threads(par_rows) schedule(static)
         for (int64_t r = 0; r < t; r++) rms_norm_row(x + r * h, post_norm, h, dm.eps, hs + r * h);
-        rc |= tb_linear(lgu, hs, t, h, 2 * inter, gu, 0, nthreads);
+        rc |= tb_linear(lgu, hs, t, h, 2 * inter, gu, 0, nthreads, &rows);
 #pragma omp parallel for num_threads(par_rows) schedule(static)
         for (int64_t r = 0; r < t; r++) {
             const float *gr = gu + r * 2 * inter, *ur = gr + inter;
@@ -226,12 +229,13 @@ int tb_forward(const TbForward *a) {
                 ar[i] = (gv * sig) * ur[i];
             }
         }
-        rc |= tb_linear(ldn, act, t, inter, h, x, 1, nthreads);
+        rc |= tb_linear(ldn, act, t, inter, h, x, 1, nthreads, &rows);
     }
     free(hs);
     free(qkv);
     free(att);
     free(gu);
     free(act);
+    tb_rows_free(&rows);
     return rc ? -1 : 0;
 }

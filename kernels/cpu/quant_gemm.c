@@ -129,7 +129,7 @@ static const tile_fn Q4_TILES[4] = {q4_1, q4_2, q4_3, q4_4};
 static const tile_fn Q8_TILES[4] = {q8_1, q8_2, q8_3, q8_4};
 #endif
 
-static int alloc_rows(XRows *x, int64_t m, int64_t k) {
+int tb_rows_alloc(XRows *x, int64_t m, int64_t k) {
     x->k = k;
     x->q = malloc(m * k);
     x->dx = malloc(m * (k / GROUP) * sizeof(float));
@@ -138,7 +138,7 @@ static int alloc_rows(XRows *x, int64_t m, int64_t k) {
     return x->q && x->dx && x->xs && x->corr;
 }
 
-static void free_rows(XRows *x) {
+void tb_rows_free(XRows *x) {
     free(x->q);
     free(x->dx);
     free(x->xs);
@@ -150,13 +150,17 @@ static void free_rows(XRows *x) {
  * prefill gives each thread whole row blocks, which stay in cache while all of W streams past
  * them once. Within an item, tiles of up to TILE_M rows. 0, or -1 when out of memory. */
 int tb_linear(const Lin *L, const float *x, int64_t m, int64_t k, int64_t n, float *out, int accumulate,
-              int nthreads) {
+              int nthreads, XRows *scratch) {
     if (m <= 0) return 0;
     XRows rows;
-    if (!alloc_rows(&rows, m, k)) {
-        free_rows(&rows);
+    if (scratch) {
+        rows = *scratch;
+        rows.k = k;
+    } else if (!tb_rows_alloc(&rows, m, k)) {
+        tb_rows_free(&rows);
         return -1;
     }
+    nthreads = tb_team(m, nthreads);
     const tile_fn *tiles = L->fmt == 4 ? Q4_TILES : Q8_TILES;
     const int64_t nblocks = (n + NB - 1) / NB, mblocks = (m + MBLOCK - 1) / MBLOCK;
 #pragma omp parallel num_threads(nthreads)
@@ -175,28 +179,28 @@ int tb_linear(const Lin *L, const float *x, int64_t m, int64_t k, int64_t n, flo
             }
         }
     }
-    free_rows(&rows);
+    if (!scratch) tb_rows_free(&rows);
     return 0;
 }
 
 int tb_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *out, int nthreads) {
     Lin L = {4, w, NULL, NULL};
-    return tb_linear(&L, x, m, k, n, out, 0, nthreads);
+    return tb_linear(&L, x, m, k, n, out, 0, nthreads, NULL);
 }
 
 int tb_gemm_q8(const float *x, int64_t m, int64_t k, const uint8_t *w, const float *s, int64_t n, float *out,
                int nthreads) {
     Lin L = {8, w, s, NULL};
-    return tb_linear(&L, x, m, k, n, out, 0, nthreads);
+    return tb_linear(&L, x, m, k, n, out, 0, nthreads, NULL);
 }
 
 /* The activation quantization alone (for tests): q[m][k], group scales d[m][k / 32]. */
 void tb_quantize_rows(const float *x, int64_t m, int64_t k, int8_t *q, float *d) {
     XRows rows;
-    if (alloc_rows(&rows, m, k)) {
+    if (tb_rows_alloc(&rows, m, k)) {
         for (int64_t i = 0; i < m; i++) quantize_row(&rows, x + i * k, i);
         memcpy(q, rows.q, m * k);
         memcpy(d, rows.dx, m * (k / GROUP) * sizeof(float));
     }
-    free_rows(&rows);
+    tb_rows_free(&rows);
 }

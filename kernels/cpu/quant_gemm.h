@@ -32,6 +32,19 @@ typedef struct {
 /* The variant this library was built as (quant_gemm.c). */
 const char *tb_variant(void);
 
-/* out[m][n] (+)= x[m] . W[n] (+ bias[n]), batch invariant; 0, or -1 when out of memory. */
+/* The threads a call over `rows` rows runs on: one below TEAM_MIN_ROWS. A batch-1 decode or verify
+ * streams the weights about as fast on one thread as on two (84.7 vs 88 tok/s, issue 24), while a
+ * thread team forks and meets at barriers ~6 times per layer, and on a busy machine the team waits
+ * for a descheduled member (2 threads fell to 33 tok/s beside one busy process, from 91). */
+#define TEAM_MIN_ROWS 8
+static inline int tb_team(int64_t rows, int nthreads) { return rows >= TEAM_MIN_ROWS ? nthreads : 1; }
+
+/* Room for m quantized rows of up to k columns (1, or 0 when out of memory; free with
+ * tb_rows_free either way): a forward allocates it once for all its linears. */
+__attribute__((visibility("hidden"))) int tb_rows_alloc(XRows *x, int64_t m, int64_t k);
+__attribute__((visibility("hidden"))) void tb_rows_free(XRows *x);
+
+/* out[m][n] (+)= x[m] . W[n] (+ bias[n]), batch invariant; 0, or -1 when out of memory. rows: scratch
+ * from tb_rows_alloc for at least m x k, or NULL (the call allocates its own). */
 __attribute__((visibility("hidden"))) int tb_linear(const Lin *L, const float *x, int64_t m, int64_t k, int64_t n,
-                                                    float *out, int accumulate, int nthreads);
+                                                    float *out, int accumulate, int nthreads, XRows *rows);
