@@ -131,9 +131,14 @@ def missing(variant: str) -> list[str]:
     return [f for f in v.cpu_flags if f not in cpu_features()]
 
 
+@functools.cache
+def _runnable() -> tuple[str, ...]:
+    return tuple(v.name for v in VARIANTS if not missing(v.name))
+
+
 def runnable_variants() -> list[str]:
     """The variants this CPU can execute, best first (``scalar`` always)."""
-    return [v.name for v in VARIANTS if not missing(v.name)]
+    return list(_runnable())
 
 
 def selected_variant() -> str | None:

@@ -72,16 +72,28 @@ const char *tb_variant(void) { return TB_VARIANT_NAME; }
 /* Round to nearest even for |v| < 2^22, with two IEEE adds (the same in every variant, no libm). */
 INLINE float round_even(float v) { return (v + 12582912.0f) - 12582912.0f; }
 
+/* max |a[i]| over a group: on the bit patterns with the sign cleared, whose integer order is the
+ * order of the non-negative floats (exact; an integer max vectorizes, a float max does not
+ * without -ffast-math). */
+INLINE float group_amax(const float *a) {
+    uint32_t m = 0;
+    for (int i = 0; i < GROUP; i++) {
+        uint32_t b;
+        memcpy(&b, a + i, 4);
+        b &= 0x7FFFFFFFu;
+        m = b > m ? b : m;
+    }
+    float f;
+    memcpy(&f, &m, 4);
+    return f;
+}
+
 static void quantize_row(const XRows *x, const float *src, int64_t m) {
     const int64_t k = x->k, ng = k / GROUP;
     int8_t *q = x->q + m * k;
     for (int64_t g = 0; g < ng; g++) {
         const float *a = src + g * GROUP;
-        float amax = 0.0f;
-        for (int i = 0; i < GROUP; i++) {
-            const float v = a[i] < 0.0f ? -a[i] : a[i];
-            amax = v > amax ? v : amax;
-        }
+        const float amax = group_amax(a);
         const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
         int32_t sum = 0;
         for (int i = 0; i < GROUP; i++) {
@@ -100,14 +112,19 @@ static void quantize_row(const XRows *x, const float *src, int64_t m) {
 static void store_tile(const float (*res)[NB], int rm, const Lin *L, int64_t m0, int64_t b, int64_t n, float *out,
                        int accumulate) {
     const int64_t n0 = b * NB, cols = n - n0 < NB ? n - n0 : NB;
+    const float *s = L->fmt == 8 ? L->s + n0 : NULL, *bias = L->bias ? L->bias + n0 : NULL;
     for (int i = 0; i < rm; i++) {
+        float v[NB];
         float *o = out + (m0 + i) * n + n0;
-        for (int64_t j = 0; j < cols; j++) {
-            float v = res[i][j];
-            if (L->fmt == 8) v = v * L->s[n0 + j];
-            if (L->bias) v = v + L->bias[n0 + j];
-            o[j] = accumulate ? o[j] + v : v;
-        }
+        for (int j = 0; j < NB; j++) v[j] = res[i][j];
+        if (s)
+            for (int j = 0; j < NB; j++) v[j] = v[j] * s[j]; /* s is padded to the block */
+        if (bias)
+            for (int64_t j = 0; j < cols; j++) v[j] = v[j] + bias[j];
+        if (accumulate)
+            for (int64_t j = 0; j < cols; j++) o[j] = o[j] + v[j];
+        else
+            for (int64_t j = 0; j < cols; j++) o[j] = v[j];
     }
 }
 
