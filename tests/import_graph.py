@@ -37,9 +37,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("test kit: fake model, harness, fuzzing", ("tokenbudget.testing",)),
     ("console script, namespace root", ("tokenbudget.cli", "tokenbudget.__main__", "tokenbudget")),
 )
-# Package-level shells: a package's __init__ sits in the layer of its package, except these,
-# which only name their children.
-SHELLS = ("tokenbudget.engine",)
 
 
 def package_dirs() -> dict[str, Path]:
@@ -169,8 +166,6 @@ def back_edges(graph) -> list[tuple[str, str, int]]:
     for a, bs in graph.items():
         la = layer_of(a)
         for b, line in bs.items():
-            if b in SHELLS or a in SHELLS:
-                continue
             lb = layer_of(b)
             if la < 0 or lb < 0 or lb > la:
                 out.append((a, b, line))

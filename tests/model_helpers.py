@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-
-import pytest
 
 
 def write_tokenizer_files(path) -> None:
@@ -43,15 +42,25 @@ def hf_llama_from_loaded(loaded):
 
 
 def smollm2_gguf_tokenizer():
-    """The default model's tokenizer read from its GGUF metadata (skips when unavailable)."""
-    from tokenbudget.engine.loader import default_model as dm
+    """The default model's tokenizer read from its GGUF metadata (skips only where the file
+    cannot be had: ``engine_fixtures.default_model_path_or_skip``)."""
     from tokenbudget.engine.loader.gguf_loader import read_gguf_metadata
     from tokenbudget.engine.text.gguf_tokenizer import build_gguf_tokenizer
-    try:
-        path = dm.default_model_path()
-    except RuntimeError as exc:
-        pytest.skip(f"default model unavailable: {exc}")
-    return build_gguf_tokenizer(read_gguf_metadata(path))
+
+    from engine_fixtures import default_model_path_or_skip
+    return build_gguf_tokenizer(read_gguf_metadata(default_model_path_or_skip()))
+
+
+@functools.cache
+def hf_gguf_tokenizer():
+    """transformers' tokenizer for the default model, built by transformers itself from the same
+    GGUF's metadata (``gguf_file=``, via the ``gguf`` package): the reference our tokenizer is
+    compared with, and what the vs-transformers tests feed transformers (its own ids, not ours)."""
+    import transformers
+
+    from engine_fixtures import default_model_path_or_skip
+    path = default_model_path_or_skip()
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
 def scheduled(req, nc: int, n: int, token_ids, spec, table, needs_sample: bool | None = None):

@@ -1,4 +1,4 @@
-"""The C kernel variants (``kernels/cpu/native.py``) as a pytest parameter: every variant, run
+"""The C kernel variants (``kernels/cpu/native.py``) as a pytest parameter (conftest's ``variant``): every variant, run
 where this CPU can execute it (``scalar`` everywhere), skipped naming the missing instructions
 where it cannot. A variant the CPU can execute that fails to build fails the test under CI
 (``CI=true``): CI must build and test the kernels of the machine it runs on.
@@ -32,10 +32,3 @@ def use_variant(name: str, monkeypatch):
         pytest.skip(why)
     monkeypatch.setenv(native.ENV, name)
     return lib
-
-
-@pytest.fixture(params=VARIANTS)
-def variant(request, monkeypatch) -> str:
-    """Each C kernel variant in turn, selected for the test (module doc)."""
-    use_variant(request.param, monkeypatch)
-    return request.param

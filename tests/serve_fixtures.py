@@ -6,12 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-import pytest
-
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-
-from tokenbudget.engine.serve.server import free_port, server_in_thread, server_url  # noqa: E402, F401
+from tokenbudget.engine.serve.server import free_port, server_in_thread, server_url  # noqa: F401
 
 MODEL = "smol"
 KEY = "test-key"
@@ -21,7 +16,15 @@ KEY = "test-key"
 def running_server(llm, api_key: str | None = KEY, grace_period: float = 5.0, stopper: list | None = None):
     """Serve ``llm`` at the yielded base URL (``http://127.0.0.1:PORT``) until the block ends;
     ``stopper`` receives the uvicorn server (set its ``should_exit`` to start the drain early)."""
-    with server_in_thread(llm, MODEL, api_key=api_key, grace_period=grace_period, log_level="warning") as server:
+    with contextlib.ExitStack() as stack:
+        for attempt in range(3):  # free_port() is released before uvicorn binds it: under pytest-xdist
+            try:                  # another worker may take it in between; a fresh port then
+                server = stack.enter_context(server_in_thread(llm, MODEL, api_key=api_key, grace_period=grace_period,
+                                                              log_level="warning"))
+                break
+            except RuntimeError:
+                if attempt == 2:
+                    raise
         if stopper is not None:
             stopper.append(server)
         yield server_url(server)
@@ -37,3 +40,4 @@ def wait_idle(llm, timeout: float = 30.0):
         if time.monotonic() > deadline:
             raise AssertionError(f"engine not idle: {stats}")
         time.sleep(0.02)
+

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from tokenbudget.engine.model import build_model
+from tokenbudget.engine.model.cpu_forward import CpuForwardModel
 from tokenbudget.engine.model.quant import quantize_model
 
 from batch_schedules import CFG, SCHEDULES, random_state_dict, run_schedule
@@ -45,7 +46,7 @@ def quant_kernel(request, monkeypatch):
 def _assert_runs_on(model, quantization: str, quant_kernel: str) -> None:
     """The quantized model takes the path the case names (the one-call C forward iff a C variant)."""
     if quantization != "none":
-        assert (getattr(model, "cpu_forward", None) is not None) == (quant_kernel != "torch"), quant_kernel
+        assert isinstance(model, CpuForwardModel) == (quant_kernel != "torch"), (quantization, quant_kernel)
 
 
 # An unquantized model involves no quantized kernel: its cases run once (``torch``).

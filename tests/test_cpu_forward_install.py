@@ -16,11 +16,10 @@ from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.model.cpu_forward import CpuForwardModel
 from tokenbudget.engine.model.quant import quantize_model
 from tokenbudget.engine.worker.draft_runner import truncated_view
-from tokenbudget.kernels.cpu.native import library
 
 import batch_schedules as bs
 
-pytestmark = pytest.mark.skipif(library() is None, reason="C kernels unavailable (no AVX-512 VNNI or C compiler)")
+pytestmark = pytest.mark.usefixtures("c_kernels")  # conftest: a skip names the missing CPU flag; a failed build fails
 
 CFG = ModelConfig(vocab_size=101, hidden_size=128, intermediate_size=192, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,

@@ -24,7 +24,7 @@ from tokenbudget.engine.model.quant import QuantLinear, quantize_model
 from tokenbudget.kernels.cpu import quant_gemm as cg
 
 import batch_schedules as tbi
-from native_variants import use_variant, variant  # noqa: F401  (the fixture)
+from native_variants import use_variant
 
 # Every linear's in_features a multiple of 32 and head_dim of 16: the C forward takes the model.
 CFG64 = ModelConfig(vocab_size=101, hidden_size=128, intermediate_size=192, num_hidden_layers=2,

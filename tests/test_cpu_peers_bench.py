@@ -8,6 +8,7 @@ writes and the project's invariant on the bench's own prompts: ngram output equa
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -37,12 +38,8 @@ def test_equal_to_plain_needs_every_repeat_equal():
 
 @pytest.mark.slow
 def test_quick_run_without_llama_cpp(tmp_path):
-    from tokenbudget.engine.loader.default_model import default_model_path
-
-    try:
-        default_model_path()
-    except RuntimeError as exc:  # offline and nothing cached
-        pytest.skip(f"default model unavailable: {exc}")
+    from engine_fixtures import default_model_path_or_skip
+    default_model_path_or_skip()
     path = tmp_path / "peers.json"
     modes = ["tokenbudget-plain", "tokenbudget-ngram", "transformers-plain"]
     cpu_peers.main(["--quick", "--threads", "1", "--modes", *modes, "--json", str(path)])
@@ -53,7 +50,12 @@ def test_quick_run_without_llama_cpp(tmp_path):
         runs = res["modes"][m]["runs"]
         assert len(runs) == 3 and {r["workload"] for r in runs} == set(cpu_peers.WORKLOADS)
         assert all(r["tokens"] == 16 and len(r["token_ids"]) == 16 for r in runs)  # EOS ignored
-        assert all(res["modes"][m]["tok_s"][w] > 0 for w in cpu_peers.WORKLOADS)
+        # each rate is its run's tokens over its timed seconds, and the table reports their median
+        assert all(r["tok_s"] == pytest.approx(r["tokens"] / r["total_s"]) and r["ttft_s"] < r["total_s"]
+                   for r in runs)
+        assert res["modes"][m]["tok_s"] == {
+            w: pytest.approx(statistics.median(r["tok_s"] for r in runs if r["workload"] == w))
+            for w in cpu_peers.WORKLOADS}
         assert res["modes"][m]["vs_llamacpp_plain"] is None  # llama.cpp did not run
     assert res["modes"]["tokenbudget-ngram"]["equal_to_plain"] == [3, 3]
     assert res["modes"]["tokenbudget-plain"]["equal_to_plain"] is None
@@ -63,7 +65,8 @@ def test_quick_run_without_llama_cpp(tmp_path):
     batch = res["batch"]
     cells = {(c["engine"], c["max_batch"]): c for c in batch["cells"]}
     assert set(cells) == {("tokenbudget", 1), ("tokenbudget", 8), ("transformers", 1), ("transformers", 8)}
-    assert all(c["tokens"] == 8 * 16 and c["tok_s"] > 0 for c in cells.values())
+    assert all(c["tokens"] == 8 * 16 and c["tok_s"] == pytest.approx(c["tokens"] / c["total_s"])
+               for c in cells.values())
     assert cells[("tokenbudget", 8)]["equal_to_b1"] == 8  # batch invariance on the bench's prompts
     assert set(batch["ratios"]) == {"tokenbudget b8 / transformers b8"}
     assert "## " not in res["markdown"] and "| tokenbudget ngram k=4 |" in res["markdown"]

@@ -11,13 +11,12 @@ import os
 
 import pytest
 import torch
+import transformers
 
 from tokenbudget.api.sampling_params import SamplingParams
 from tokenbudget.engine.entrypoints.llm import LLM
 
 from tiny_llama import VOCAB, make_tiny_llama, make_truncated_copy  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
 
 PROMPTS = ["hello world, hello world, hello", "abcabcabcabc", "The quick brown fox",
            "x" * 40 + " then some more text to make this prompt a good deal longer than the others"]

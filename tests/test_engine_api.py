@@ -18,7 +18,7 @@ from tokenbudget.api.config import EngineConfig
 from tokenbudget.api.outputs import GenerateRequest, RequestOutput
 from tokenbudget.engine.entrypoints.llm_engine import LLMEngine
 
-from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, default_target  # noqa: E402
+from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, bounded, default_target  # noqa: E402
 
 # ---------------------------------------------------------------- fixtures
 
@@ -41,7 +41,7 @@ def reference(llm) -> list[list[int]]:
 
 def run_to_end(engine: LLMEngine) -> dict[str, RequestOutput]:
     final: dict[str, RequestOutput] = {}
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out

@@ -16,7 +16,7 @@ from tokenbudget import LLM, EngineDeadError, RequestError, RequestOutputKind, S
 from tokenbudget.engine.entrypoints.async_llm import AsyncLLM
 from tokenbudget.testing.faults import FaultInjectingProposer, FaultInjectingRunner, FaultPlan
 
-from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, default_target  # noqa: E402
+from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, bounded, default_target  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -69,7 +69,7 @@ def test_fault_tied_to_one_request_ends_only_it(llm, reference, plan) -> None:
     plan.poisoned.add(ids[1])
     plan.late = True  # after the forward wrote its KV: the rollback must not trust those blocks
     final = {}
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out
@@ -101,7 +101,7 @@ def test_proposer_fault_under_ngram_ends_only_its_request(reference) -> None:
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"p-{i}", prompt, GREEDY)
     final = {}
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out
@@ -174,7 +174,9 @@ def test_unread_stream_coalesces_into_one_output(reference, kind) -> None:
         llm = AsyncLLM(default_target(), **ENGINE_OPTS)
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, output_kind=kind)
         stream = llm.add_request("slow-reader", PROMPTS[0], params)
+        deadline = asyncio.get_running_loop().time() + 60
         while not stream.finished:
+            assert asyncio.get_running_loop().time() < deadline, "the stream never finished"
             await asyncio.sleep(0.01)
         outs = [out async for out in stream]
         assert len(outs) == 1 and outs[0].finished

@@ -9,7 +9,7 @@ import pytest
 
 from tokenbudget import AsyncLLM, EngineConfig, EngineOverloadedError, LLMEngine, SamplingParams
 
-from engine_fixtures import ENGINE_OPTS, default_target  # noqa: E402
+from engine_fixtures import ENGINE_OPTS, StepGate, bounded, default_target  # noqa: E402
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -19,7 +19,7 @@ def test_timestamps_are_ordered_and_intervals_consistent():
     engine.add_request("a", "The capital of France is", PARAMS)
     engine.add_request("b", "Once upon a time", PARAMS)
     final = {}
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out
@@ -43,7 +43,7 @@ def test_llm_engine_admission_control():
     with pytest.raises(EngineOverloadedError, match="max_queued_requests"):
         engine.add_request("c", "Hello", PARAMS)
     assert engine.get_stats().num_waiting == 2  # the refused one changed nothing
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         engine.step()
     engine.add_request("c", "Hello", PARAMS)  # room again
 
@@ -62,15 +62,20 @@ def test_bad_admission_options_name_the_field(name):
 
 
 def test_async_llm_stats_snapshot_and_admission():
+    """A gate lets exactly one engine step run, so "a" is running (not finished) when the
+    snapshot is read, whatever the machine's speed."""
     async def main():
         llm = AsyncLLM(default_target(), **dict(ENGINE_OPTS, max_num_seqs=1), max_queued_requests=1)
-        first = llm.add_request("a", "Hello", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
-        await first.__anext__()  # "a" runs
-        llm.add_request("b", "Hello", PARAMS)  # waits (max_num_seqs=1)
-        with pytest.raises(EngineOverloadedError):
-            llm.add_request("c", "Hello", PARAMS)
-        stats = llm.get_stats()
-        assert stats.num_running == 1 and stats.kv_blocks_used > 0
+        with StepGate(llm) as gate:
+            first = llm.add_request("a", "Hello", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+            gate.grant(1)
+            await asyncio.wait_for(first.__anext__(), timeout=60)  # "a" runs; the next step waits at the gate
+            llm.add_request("b", "Hello", PARAMS)  # waits (max_num_seqs=1)
+            with pytest.raises(EngineOverloadedError):
+                llm.add_request("c", "Hello", PARAMS)
+            stats = llm.get_stats()
+            assert stats.num_running == 1 and stats.num_waiting == 0 and stats.kv_blocks_used > 0
+            gate.open()
         await llm.shutdown()
         stats = llm.get_stats()
         assert stats.num_running == stats.num_waiting == stats.kv_blocks_used == 0

@@ -23,12 +23,8 @@ def _assert_same(path) -> None:
 
 
 def test_default_model_file_reads_the_same():
-    from tokenbudget.engine.loader import default_model as dm
-    try:
-        path = dm.default_model_path()
-    except RuntimeError as exc:
-        pytest.skip(f"default model unavailable: {exc}")
-    _assert_same(path)
+    from engine_fixtures import default_model_path_or_skip
+    _assert_same(default_model_path_or_skip())
 
 
 def test_written_file_reads_the_same(tmp_path):

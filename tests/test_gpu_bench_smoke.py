@@ -20,6 +20,7 @@ from benches.synthetic_model import (
     build_synthetic_engine,
     param_count,
 )
+from engine_fixtures import bounded
 
 
 def test_shapes_are_realistic():
@@ -37,7 +38,7 @@ def test_oracle_drafter_acceptance_and_lossless():
         toks = {}
         for i, p in enumerate(prompts):
             eng.add_request(f"r{i}", p, params)
-        while eng.has_unfinished_requests():
+        for _ in bounded(eng.has_unfinished_requests):
             for o in eng.step():
                 toks.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
         return toks

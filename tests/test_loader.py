@@ -8,6 +8,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import transformers
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as np_dequantize
 from gguf.quants import quantize as np_quantize
@@ -21,8 +22,6 @@ from tokenbudget.engine.loader.gguf_loader import gguf_tensor_name_to_hf, unperm
 from tokenbudget.engine.loader.hf_loader import hf_config_to_model_config
 
 from model_helpers import hf_llama_from_loaded, write_tokenizer_files  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
 
 # ---------------------------------------------------------------- dequantization
 
@@ -254,11 +253,8 @@ def test_default_model_cached_and_offline_error(tmp_path, monkeypatch) -> None:
 
 @pytest.fixture(scope="module")
 def smollm2() -> LoadedModel:
-    try:
-        path = dm.default_model_path()
-    except RuntimeError as exc:
-        pytest.skip(f"default model unavailable: {exc}")
-    return load_model_files(path)
+    from engine_fixtures import default_model_path_or_skip
+    return load_model_files(default_model_path_or_skip())
 
 
 def test_smollm2_config(smollm2: LoadedModel) -> None:

@@ -11,6 +11,8 @@ from tokenbudget.testing.fake_model import FakeModelSpec
 from tokenbudget.testing.harness import Harness
 from tokenbudget.testing.strategies import scheduler_configs
 
+from engine_fixtures import bounded
+
 SPEC = FakeModelSpec()
 PREFIXES = [[], [5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57], [7] * 9 + [3] * 5]
 
@@ -55,7 +57,7 @@ def test_outputs_equal_solo_reference(workload):
     for idx, step in aborts:
         abort_at.setdefault(step, []).append(requests[idx]["rid"])
     step = 0
-    while pending or h.scheduler.has_unfinished_requests():
+    for _ in bounded(lambda: pending or h.scheduler.has_unfinished_requests()):
         while pending and pending[0]["arrival"] <= step:
             r = pending.pop(0)
             h.add(h.make_request(r["rid"], r["prompt"], max_tokens=r["max_tokens"], priority=r["priority"],

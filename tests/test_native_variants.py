@@ -20,7 +20,6 @@ from tokenbudget.engine.model.quant import quantize_model
 from tokenbudget.kernels.cpu import native
 
 import batch_schedules as bs
-from native_variants import variant  # noqa: F401  (the fixture)
 
 
 def test_a_bad_variant_name_is_a_value_error_naming_the_variable(monkeypatch):
@@ -64,7 +63,7 @@ def test_start_up_line_names_the_kernel_variant(caplog):
     from engine_fixtures import default_loaded
     variant = native.selected_variant()
     if variant is None:
-        pytest.skip(f"CPU lacks a SIMD kernel variant ({native.unavailable_reason()})")
+        pytest.skip(f"CPU lacks {', '.join(native.missing('avx2'))} (C kernel variant avx2)")
     base = default_loaded()
     copy = LoadedModel(base.config, dict(base.state_dict), base.tokenizer, base.source, base.weight_type)
     target = build_target(copy, torch.float32, torch.device("cpu"), "auto")

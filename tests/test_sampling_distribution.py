@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from scipy.stats import chisquare
 
 from tokenbudget import LLM, SamplingParams
 
 from tiny_llama import make_tiny_llama, make_truncated_copy  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
 
 VOCAB = 16
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3]

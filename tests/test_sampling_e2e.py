@@ -79,4 +79,4 @@ def test_ngram_seeded_sampling_valid_and_reproducible(spec_llm) -> None:
     assert batch[1].outputs[0].token_ids == c.token_ids
     assert_all_blocks_free(spec_llm.engine)
     stats = spec_llm.get_spec_stats()
-    assert stats is not None
+    assert stats.num_drafts > 0  # the n-gram drafter proposed: the seeded path ran through verification

@@ -18,7 +18,7 @@ import pytest
 
 from tokenbudget import LLM, AsyncLLM, EngineConfig, RequestOutputKind, SamplingParams
 
-from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, default_target  # noqa: E402
+from engine_fixtures import ENGINE_OPTS, assert_all_blocks_free, bounded, default_target  # noqa: E402
 
 IM_START, IM_END, COMMA = 1, 2, 28
 PROMPT = "Repeat after me: red green blue, red green blue, red green blue, red green blue,"
@@ -80,7 +80,7 @@ def test_n_through_llm_engine_steps_and_abort(llm) -> None:
             engine.add_request("parent", PROMPT, SEEDED)
         got: dict[int, list[int]] = {}
         last = None
-        while engine.has_unfinished_requests():
+        for _ in bounded(engine.has_unfinished_requests):
             for out in engine.step():
                 assert out.request_id == "parent"
                 for c in out.outputs:
@@ -183,7 +183,7 @@ def test_bad_values_raise_naming_the_field_and_disturb_nothing(llm) -> None:
         raise RuntimeError("a user processor failed")
     engine.add_request("faulty", PROMPT, SamplingParams(temperature=0.0, max_tokens=4, logits_processors=[broken]))
     outs = {}
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         outs.update({o.request_id: o for o in engine.step() if o.finished})
     assert outs["good"].outputs[0].token_ids == want.outputs[0].token_ids
     assert outs["faulty"].outputs[0].finish_reason == "error" and "user processor" in outs["faulty"].error

@@ -13,14 +13,13 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
 
 from tokenbudget import LLM, AsyncLLM, SamplingParams
 
 from engine_fixtures import ENGINE_OPTS, default_target  # noqa: E402
 from serve_fixtures import KEY, MODEL, running_server, wait_idle  # noqa: E402
-
-openai = pytest.importorskip("openai")
 
 PROMPTS = [f"{head} {tail}" for head, tail in itertools.product(
     ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "The three primary colors are"],

@@ -15,13 +15,12 @@ import time
 
 import httpx
 import pytest
+from prometheus_client import parser as prometheus_parser
 
 from tokenbudget import AsyncLLM
 
-from engine_fixtures import ENGINE_OPTS, default_loaded, default_target  # noqa: E402
+from engine_fixtures import ENGINE_OPTS, StepGate, default_loaded, default_target  # noqa: E402
 from serve_fixtures import KEY, MODEL, free_port, running_server, wait_idle  # noqa: E402
-
-prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LONG = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 400, "temperature": 0,
@@ -46,21 +45,25 @@ def _stream_first_chunk(url: str, body: dict, holder: list, stop: threading.Even
 
 
 def test_429_past_max_queued_requests_then_disconnects_free_everything():
+    """The engine steps only when the gate grants it, so the first request is still running (a
+    few of its 400 tokens made) when the third arrives, however fast the machine."""
     llm = AsyncLLM(default_target(), **dict(ENGINE_OPTS, max_num_seqs=1), max_queued_requests=1)
-    with running_server(llm) as url:
+    with running_server(llm) as url, StepGate(llm) as gate:
         stop = threading.Event()
         first: list = []
         running = threading.Thread(target=_stream_first_chunk, args=(url, LONG, first, stop))
         running.start()
-        _wait(lambda: len(first) > 2)  # streaming: it runs
+        gate.run_until(lambda: len(first) > 2)  # streaming: it runs
         queued: list = []
         waiting = threading.Thread(target=_stream_first_chunk, args=(url, LONG, queued, stop))
         waiting.start()
-        _wait(lambda: llm.get_stats().num_waiting == 1)  # max_num_seqs=1: the second one waits
+        gate.run_until(lambda: llm.get_stats().num_waiting == 1)  # max_num_seqs=1: the second one waits
+        assert llm.get_stats().num_running == 1
         r = httpx.post(f"{url}/v1/completions", json=LONG, headers=AUTH, timeout=30)
         assert r.status_code == 429
         assert int(r.headers["Retry-After"]) >= 1 and r.json()["error"]["type"] == "rate_limit_error"
-        stop.set()  # both clients go away mid-stream
+        stop.set()  # both clients go away mid-stream (each at its next event)
+        gate.open()
         running.join(30)
         waiting.join(30)
         stats = wait_idle(llm)
@@ -69,11 +72,17 @@ def test_429_past_max_queued_requests_then_disconnects_free_everything():
 
 
 def test_non_streaming_disconnect_aborts(llm_and_url):
+    """The gate holds the engine's first step, so the 1 s read timeout always fires with the request
+    unfinished; the server must then abort it, before the gate lets the engine go on."""
     llm, url = llm_and_url
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{url}/v1/completions", json=LONG, headers=AUTH, timeout=httpx.Timeout(30, read=1.0))
-    stats = wait_idle(llm, timeout=10)  # far sooner than 400 tokens would take
-    assert stats.num_generation_tokens_total < 400
+    before = llm.get_stats().num_generation_tokens_total
+    with StepGate(llm) as gate:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json=LONG, headers=AUTH, timeout=httpx.Timeout(30, read=1.0))
+        _wait(lambda: gate.parked and not llm._streams)  # the disconnect aborted its stream
+        gate.open()
+        stats = wait_idle(llm)
+    assert stats.num_generation_tokens_total - before <= 1  # the held step's token at most, never 400
 
 
 @pytest.fixture(scope="module")
@@ -126,13 +135,44 @@ def test_health_turns_503_after_an_engine_wide_failure():
         assert "tokenbudget_engine_healthy 0.0" in text
 
 
+# ``tokenbudget serve`` whose engine parks after its first two steps until the file argv[1] exists:
+# the test, not the machine's speed, decides that a request is still in flight at SIGTERM.
+GATED_SERVE = """
+import os, sys, time
+from tokenbudget.cli.main import main
+from tokenbudget.engine.entrypoints.llm_engine import LLMEngine
+real, gate, steps = LLMEngine.step, sys.argv[1], [0]
+def step(self):
+    deadline = time.monotonic() + 120
+    while steps[0] >= 2 and not os.path.exists(gate):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the test never opened the gate")
+        time.sleep(0.01)
+    steps[0] += 1
+    return real(self)
+LLMEngine.step = step
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _refused(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/health", timeout=2)
+    except httpx.ConnectError:
+        return True
+    except httpx.TransportError:
+        pass
+    return False
+
+
 def test_sigterm_drains_and_exits_zero(tmp_path):
-    """A real ``tokenbudget serve`` process: a request in flight at SIGTERM still completes, new
-    connections are refused, the process exits 0."""
-    default_loaded()  # skips when the default model cannot be had
+    """A real ``tokenbudget serve`` process: a request in flight at SIGTERM (held there by a gate)
+    still completes once let go, new connections are refused meanwhile, the process exits 0."""
+    default_loaded()  # skips only when the default model cannot be had (engine_fixtures)
     port = free_port()
+    gate = tmp_path / "gate"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "tokenbudget.cli.main", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-c", GATED_SERVE, str(gate), "serve", "--port", str(port),
                              "--no-spec", "--num-threads", "1", "--max-model-len", "256", "--grace-period", "30",
                              "--kv-cache-memory-bytes", str(32 << 20)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -157,6 +197,9 @@ def test_sigterm_drains_and_exits_zero(tmp_path):
         t.start()
         _wait(lambda: len(result) > 0 or not t.is_alive())
         proc.send_signal(signal.SIGTERM)
+        _wait(lambda: _refused(url))  # draining: no new connections
+        assert t.is_alive() and "data: [DONE]" not in result  # held by the gate: still in flight
+        gate.touch()
         t.join(60)
         assert proc.wait(60) == 0
         events = [line[len("data: "):] for line in result if line.startswith("data: ")]
@@ -174,7 +217,7 @@ def test_shutdown_past_the_grace_period_is_not_reported_as_success():
     llm = AsyncLLM(default_target(), **ENGINE_OPTS)
     servers: list = []
     lines: list = []
-    with running_server(llm, grace_period=0.5, stopper=servers) as url:
+    with running_server(llm, grace_period=0.5, stopper=servers) as url, StepGate(llm) as gate:
         def client():
             try:
                 with httpx.stream("POST", f"{url}/v1/completions", json=dict(LONG, stream=True), headers=AUTH,
@@ -185,9 +228,11 @@ def test_shutdown_past_the_grace_period_is_not_reported_as_success():
                 pass  # the server closed the connection: expected
         t = threading.Thread(target=client)
         t.start()
-        _wait(lambda: len(lines) > 2)
+        gate.run_until(lambda: len(lines) > 2)  # running, and held from here on: it cannot finish
         servers[0].should_exit = True
         t.join(60)
+        assert not t.is_alive()
+        gate.open()
     events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
     assert "[DONE]" not in events
     assert all(json.loads(e).get("choices", [{}])[0].get("finish_reason") in (None, "abort") for e in events)

@@ -23,8 +23,6 @@ from tokenbudget.engine.entrypoints.llm import LLM
 from engine_fixtures import default_target
 from tiny_llama import make_tiny_llama, make_truncated_copy
 
-transformers = pytest.importorskip("transformers")
-
 
 def _gen(llm: LLM, prompts, max_tokens: int) -> list[list[int]]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

@@ -13,7 +13,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from tokenbudget.engine.text.gguf_tokenizer import build_gguf_tokenizer
 from tokenbudget.engine.text.tokenizer import Tokenizer
 
-from model_helpers import smollm2_gguf_tokenizer  # noqa: E402
+from model_helpers import hf_gguf_tokenizer, smollm2_gguf_tokenizer  # noqa: E402
 
 SAMPLES = ["Hello world! 12345", "héllo wörld — 世界 你好 🎉👍🏽", "def f(x):\n    return x**2  # ok\n",
            "  leading and trailing spaces  ", "tabs\tand\r\nnewlines\n\n", ""]
@@ -106,6 +106,54 @@ def test_smollm2_chat_template(smol: Tokenizer) -> None:
     ids = smol.encode(text)
     assert ids.count(1) == 3 and ids.count(2) == 2 and ids[-1] == 198  # "\n"
     assert smol.decode(ids, skip_special_tokens=False) == text
+
+
+# Unicode (accents, CJK, Hangul, emoji with a skin-tone modifier, math), whitespace runs (spaces,
+# tabs, newlines, NBSP, zero-width), digit runs and numbers, contractions, code, special tokens
+# spelled inside text, and the empty string.
+CORPUS = ["Hello world", "  leading,   inner   runs\t\ttabs\n\n\nnewlines  \n", " ", "", "a" * 200,
+          "x 2024, 3.14159, -42, 1e10, 0x1F, 1,000,000 and 007", "I'm sure we're done, they'll say, it's Bob's",
+          "naïve café — “quotes” ¿qué? Ω≈ç√∫ 日本語のテキスト 한국어 🤖👍🏽🎉",
+          "\u00a0nbsp\u200bzero width\u3000ideographic",
+          "def f(x):\n    return x**2  # ok\n\n\tif y:\r\n        pass", "MiXeD CASE and UPPER WORDS",
+          "<|im_start|>user\nhi<|im_end|>\n", "<|endoftext|>text<|im_end|><|im_start|>assistant\n<|im_start|>"]
+CHATS = [[{"role": "user", "content": "What is 2+2?"}],
+         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi  there\n\n"},
+          {"role": "assistant", "content": "Hello! 👋"}, {"role": "user", "content": "Count: 1 2 3"}]]
+
+
+@pytest.fixture(scope="module")
+def hf_smol():
+    return hf_gguf_tokenizer()
+
+
+@pytest.mark.parametrize("text", CORPUS)
+def test_smollm2_encodes_and_decodes_like_transformers(smol: Tokenizer, hf_smol, text: str) -> None:
+    """Ours vs transformers' tokenizer built from the same GGUF metadata: same ids, same text back."""
+    ids = hf_smol(text).input_ids
+    assert smol.encode(text, add_special_tokens=True) == ids
+    for skip in (False, True):
+        assert smol.decode(ids, skip_special_tokens=skip) == hf_smol.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("messages", CHATS)
+def test_smollm2_chat_template_like_transformers(smol: Tokenizer, hf_smol, messages) -> None:
+    text = smol.apply_chat_template(messages)
+    assert text == hf_smol.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert smol.encode(text, add_special_tokens=True) == hf_smol(text).input_ids
+
+
+def test_smollm2_vocabulary_and_specials_like_transformers(smol: Tokenizer, hf_smol) -> None:
+    assert smol.vocab_size == len(hf_smol)
+    assert (smol.bos_token_id, smol.eos_token_id) == (hf_smol.bos_token_id, hf_smol.eos_token_id)
+    # every token the GGUF marks special (HF's added tokens flagged special), not only bos/eos/unk
+    assert smol.all_special_ids == sorted(i for i, t in hf_smol.added_tokens_decoder.items() if t.special)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(st.characters(max_codepoint=0x3FFFF, exclude_categories=("Cs",)), max_size=60))
+def test_smollm2_encode_property_like_transformers(smol: Tokenizer, hf_smol, s: str) -> None:
+    assert smol.encode(s, add_special_tokens=True) == hf_smol(s).input_ids
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,17 +1,14 @@
 """Random tiny Llama checkpoints as Hugging Face directories (imported, not a conftest): a target
-and drafters related to it, for the draft-model and speculation tests. Importing it skips the
-importing test module when transformers is not installed."""
+and drafters related to it, for the draft-model and speculation tests."""
 
 from __future__ import annotations
 
 import os
 
-import pytest
 import torch
+import transformers
 
 from model_helpers import write_tokenizer_files
-
-transformers = pytest.importorskip("transformers")
 
 VOCAB = 259
 def make_tiny_llama(path, *, layers: int, hidden: int = 64, vocab: int = VOCAB, seed: int = 0,

@@ -5,10 +5,11 @@ and speculative decoding whose output is exactly the target model's.
     llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     print(llm.generate("The capital of France is", SamplingParams(max_tokens=16))[0].outputs[0].text)
 
-The subpackages live in folders of the repository root and install under this namespace:
-``tokenbudget.engine`` (API, EngineCore, worker, loading, model code), ``tokenbudget.scheduler``,
-``tokenbudget.kv_cache``, ``tokenbudget.spec``, ``tokenbudget.kernels``. docs/DESIGN.md draws the
-architecture.
+The subpackages live in folders of the repository root and install under this namespace, bottom
+layer first: ``tokenbudget.api`` (options, outputs, errors), ``tokenbudget.kv_cache``,
+``tokenbudget.scheduler``, ``tokenbudget.spec``, ``tokenbudget.kernels``, ``tokenbudget.engine``
+(model code, loading, worker, EngineCore, the front-ends, the server), ``tokenbudget.testing``,
+``tokenbudget.cli``. docs/DESIGN.md draws the layers and maps import paths to folders.
 """
 
 import os

@@ -23,8 +23,8 @@ import torch
 
 from tokenbudget.engine.model.layers import rms_norm
 from tokenbudget.kernels.attention.base import AttentionMetadata
-from tokenbudget.kernels.cpu.decoder_forward import TbForward, TbLayer, TbLinear, tb_forward
 from tokenbudget.kernels.cpu import native
+from tokenbudget.kernels.cpu.decoder_forward import TbForward, TbLayer, TbLinear, tb_forward
 from tokenbudget.kernels.cpu.native import library
 
 _FMT = {"int4": 4, "int8": 8}

@@ -13,7 +13,8 @@ Which variant runs (``selected_variant``): ``TOKENBUDGET_NATIVE`` unset (or ``1`
 the first SIMD variant of ``VARIANTS`` this CPU can execute, and torch's kernels where there is
 none: the portable ``scalar`` variant (any CPU, any C compiler) is slower than torch's kernels
 (benches/RESULTS.md), so it runs only when named. A variant name forces it (``ValueError`` if the
-name is unknown or the CPU lacks its instructions); ``0`` keeps torch's kernels. ``library()`` returns None - and callers keep torch's kernels - for ``0``, when no C
+name is unknown or the CPU lacks its instructions); ``0`` keeps torch's kernels. ``library()``
+returns None - and callers keep torch's kernels - for ``0``, when no C
 compiler is found or when the build fails (logged once; ``build_error`` says why).
 
 OpenMP: ``-fopenmp`` (gcc, clang with libomp); on macOS ``-Xpreprocessor -fopenmp -lomp`` where
@@ -62,7 +63,8 @@ class Variant:
 
 # In order of preference: the first one the CPU can execute runs by default.
 VARIANTS = (
-    Variant("avx512_vnni", "x86_64", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "avx2", "f16c"),
+    Variant("avx512_vnni", "x86_64",
+            ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "avx2", "f16c"),
             ("-DTB_AVX512_VNNI", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma",
              "-mavx2", "-mf16c", "-mprefer-vector-width=512")),
     Variant("avx_vnni", "x86_64", ("avx_vnni", "avx2", "fma", "f16c"),
@@ -118,8 +120,8 @@ def _darwin_features() -> frozenset[str]:
     if machine() == "aarch64":
         return frozenset({"asimddp"} if sysctl("hw.optional.arm.FEAT_DotProd") == "1" else ())
     words = (sysctl("machdep.cpu.features") + " " + sysctl("machdep.cpu.leaf7_features")).lower().split()
-    names = {"avx2": "avx2", "fma": "fma", "f16c": "f16c", "avx1.0": "avx", "avx512f": "avx512f", "avx512bw": "avx512bw",
-             "avx512vl": "avx512vl", "avx512dq": "avx512dq", "avx512vnni": "avx512_vnni"}
+    names = {"avx2": "avx2", "fma": "fma", "f16c": "f16c", "avx1.0": "avx", "avx512f": "avx512f",
+             "avx512bw": "avx512bw", "avx512vl": "avx512vl", "avx512dq": "avx512dq", "avx512vnni": "avx512_vnni"}
     return frozenset(names[w] for w in words if w in names)
 
 
