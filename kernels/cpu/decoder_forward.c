@@ -72,13 +72,24 @@ static void rope_heads(float *x, int64_t nh, int64_t d, const float *cos, const 
     }
 }
 
-/* q . k, D a multiple of 16. */
+/* 16 floats as one value (gcc and clang vector extension): element-wise IEEE operations, which
+ * the compiler maps to the variant's registers (one zmm, two ymm, four xmm/NEON q, or 16 scalars).
+ * Written out because a 16-lane accumulator array in a loop is not vectorized by gcc 12. */
+typedef float v16 __attribute__((vector_size(64)));
+
+INLINE v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* q . k, D a multiple of 16: lane j accumulates elements j, j + 16, ...; then sum16. */
 INLINE float dot16(const float *a, const float *b, int64_t d) {
-    float acc[LANES];
-    for (int j = 0; j < LANES; j++) acc[j] = a[j] * b[j];
-    for (int64_t i = LANES; i < d; i += LANES)
-        for (int j = 0; j < LANES; j++) acc[j] = acc[j] + a[i + j] * b[i + j];
-    return sum16(acc);
+    v16 acc = load16(a) * load16(b);
+    for (int64_t i = LANES; i < d; i += LANES) acc = acc + load16(a + i) * load16(b + i);
+    float lanes[LANES];
+    memcpy(lanes, &acc, sizeof lanes);
+    return sum16(lanes);
 }
 
 typedef struct {
