@@ -50,6 +50,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as tokenbudget/__init__ does, before torch loads libgomp
 
 import torch  # noqa: E402
 
