@@ -4,14 +4,24 @@ It sits with the options (the bottom layer) because ``SamplingParams(structured_
 rejects an invalid schema, regex or grammar at construction (a ``ValueError`` naming the field),
 before any engine or vocabulary exists; the engine's grammar backend
 (``engine/structured/llguidance_backend.py``) builds its matchers from this same source.
+
+Sources are cached by the bytes they hold (``byte_cache``), never by count: one schema can be
+megabytes. Grammars are checked, and matchers built, under ``PARSER_LIMITS``: llguidance's
+defaults without its verbose state dumps in errors (they are returned to clients and logged, and
+must not quote a grammar back).
 """
 
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 
 import llguidance
+
+from tokenbudget.api.byte_cache import ByteBoundedCache
+
+SOURCE_CACHE_BYTES = 32 << 20  # compiled grammar sources kept (keys + values)
+PARSER_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+_SOURCES = ByteBoundedCache(SOURCE_CACHE_BYTES)
 
 # json.dumps' default layout (see ``structured_params``).
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -25,10 +35,9 @@ def grammar_source(params) -> str:
         value = value if isinstance(value, str) else json.dumps(value)
     elif kind == "choice":
         value = json.dumps(value)
-    return _source(kind, value)
+    return _SOURCES.get_or_build((kind, value), len(str(value)), lambda: _source(kind, value))
 
 
-@lru_cache(maxsize=256)
 def _source(kind: str, text: str) -> str:
     M = llguidance.LLMatcher
     try:
@@ -44,7 +53,7 @@ def _source(kind: str, text: str) -> str:
             source = llguidance.grammar_from("grammar", text)  # Lark, or GBNF converted to Lark
     except ValueError as exc:
         raise ValueError(f"structured_outputs.{kind}: {exc}") from None
-    error = M.validate_grammar(source)
+    error = M.validate_grammar(source, limits=PARSER_LIMITS)
     if error:
         raise ValueError(f"structured_outputs.{kind}: invalid {_WHAT[kind]}: {error.strip()}")
     return source

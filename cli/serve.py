@@ -3,7 +3,8 @@
     tokenbudget serve --port 8000 --api-key secret --spec-method ngram --num-spec-tokens 4
 
 Engine options are ``LLM``'s, as flags; speculation flags are ``generate``'s. Binds 127.0.0.1
-unless ``--host`` says otherwise.
+unless ``--host`` says otherwise. Router-ready (``engine/serve/readiness.py``): the port opens
+before the model loads, ``/health`` is 503 while it loads and while a SIGTERM drains.
 """
 
 from __future__ import annotations
@@ -32,6 +33,15 @@ def add_parser(sub) -> None:
                        ("--long-prefill-token-threshold", int), ("--max-queued-requests", int),
                        ("--max-queued-tokens", int)):
         p.add_argument(flag, type=kind, default=None, help="EngineConfig option (default: the engine's)")
+    from tokenbudget.engine.serve.limits import ServerLimits, flag
+    defaults = ServerLimits()
+    for name in ServerLimits.__struct_fields__:
+        p.add_argument(flag(name), type=int, default=getattr(defaults, name), dest=name,
+                       help=f"request limit (default: {getattr(defaults, name) or 'the context length'}; "
+                            "docs/serving.md, Security and limits)")
+    p.add_argument("--max-grammar-mask-ms", type=float, default=None,
+                   help="CPU ms one request's grammar masks may take per step; past it the request fails "
+                        "(default: 10)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--cuda-graphs", action="store_true", help="CUDA only: capture decode batches in CUDA graphs")
     p.set_defaults(run=run)
@@ -39,22 +49,30 @@ def add_parser(sub) -> None:
 
 _ENGINE_FLAGS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
                  "block_size", "scheduling_policy", "num_threads", "seed", "long_prefill_token_threshold",
-                 "max_queued_requests", "max_queued_tokens")
+                 "max_queued_requests", "max_queued_tokens", "max_grammar_mask_ms")
 
 
 def run(args) -> int:
     try:
-        from tokenbudget.engine.serve.server import serve
+        from tokenbudget.engine.serve.readiness import serve_replica
     except ImportError as exc:
         raise ValueError(f"tokenbudget serve needs the serve extra: pip install 'tokenbudget[serve]' ({exc})") from None
-    from tokenbudget.engine.entrypoints.async_llm import AsyncLLM
+    from tokenbudget.api.config import EngineConfig
     options = {name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name) is not None}
     if args.no_prefix_caching:
         options["enable_prefix_caching"] = False
     if args.cuda_graphs:
         options["cuda_graphs"] = True
     options["speculative_config"] = speculative_config_from_args(args)
-    llm = AsyncLLM(args.model, **options)
+    EngineConfig.from_kwargs(model=args.model, **options)  # a bad flag: ValueError before the port opens
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                       else "SmolLM2-135M-Instruct")
-    return serve(llm, name, host=args.host, port=args.port, api_key=args.api_key, grace_period=args.grace_period)
+    from tokenbudget.engine.serve.limits import ServerLimits
+    limits = ServerLimits(**{name: getattr(args, name) for name in ServerLimits.__struct_fields__})
+
+    def load():
+        from tokenbudget.engine.entrypoints.async_llm import AsyncLLM
+        return AsyncLLM(args.model, **options)
+    # the port opens at once (/health 503 while the model loads); SIGTERM drains (/health 503)
+    return serve_replica(load, name, host=args.host, port=args.port, api_key=args.api_key,
+                         grace_period=args.grace_period, app_options={"limits": limits})

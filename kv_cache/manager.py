@@ -83,7 +83,7 @@ class KVCacheManager:
         request marked ``skip_reading_prefix_cache`` (it needs every prompt position's logits)
         gets none; its blocks are still cached for others.
         """
-        if not self.enable_prefix_caching or getattr(request, "skip_reading_prefix_cache", False):
+        if not self.looks_up(request):
             return [], 0
         tokens = request.all_token_ids
         hashes = self.req_hashes.setdefault(request.request_id, [])
@@ -98,8 +98,14 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def looks_up(self, request) -> bool:
+        """Whether admitting ``request`` looks the prefix cache up (caching on, and the request
+        does not need every prompt position computed); only such lookups are counted."""
+        return self.enable_prefix_caching and not getattr(request, "skip_reading_prefix_cache", False)
+
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
-        """Count one admitted request's lookup (hit rate = hits / queries)."""
+        """Count one admitted request's lookup (hit rate = hits / queries); call it only when
+        ``looks_up(request)``: a request that looked nothing up is no query."""
         if self.journal is not None:
             self.journal.record(self._undo_counters, self.prefix_queries, self.prefix_hits)
         self.prefix_queries += num_tokens

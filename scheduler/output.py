@@ -93,6 +93,11 @@ class SchedulerOutput:
     # Requests preempted by this step's scheduling (they left the running set; KV freed).
     preempted_request_ids: list[str] = field(default_factory=list)
     num_lookahead_tokens: int = 0
+    # Grammar masks, computed by the core after ``schedule()`` (``engine.structured``): request
+    # id -> int32 ``[r, W]`` packed bitmask rows for that request's first r sampling rows (rows
+    # past r, and requests without an entry, are unmasked). The runner only applies them; a mask
+    # that cannot be computed was already a ``RequestFault`` of its request, before the forward.
+    grammar_bitmask: dict[str, Any] | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -68,6 +68,9 @@ class Request:
     # A sibling of the same prompt (``n > 1``): this request is not admitted while that one is
     # still computing its prompt, so it finds the prompt's blocks in the prefix cache.
     shares_prefix_with: Request | None = None
+    # The request's grammar matcher when it was compiled before ``add_request`` (off the thread
+    # that steps the engine); opaque here, taken over by ``engine.structured`` at admission.
+    grammar: Any = None
 
     all_token_ids: list[int] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)

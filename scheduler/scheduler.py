@@ -217,7 +217,8 @@ class Scheduler:
             block_ids = kv.allocate_slots(request, n, cfg.num_lookahead_tokens, hits, num_hit)
             if block_ids is None:
                 break
-            kv.record_prefix_lookup(request.num_tokens, num_hit)
+            if kv.looks_up(request):
+                kv.record_prefix_lookup(request.num_tokens, num_hit)
             position = waiting.remove(request) if only is not None else _pop_head(waiting)
             self._journal.record(self._undo_admit, request, position, request.status, request.num_cached_tokens)
             request.status = RUNNING

@@ -8,6 +8,14 @@ the backend's bookkeeping (which wrapper plans which rows, with which tile and K
 much float workspace a plan needs, CUDA-graph buffers read at run time) can be checked without a
 GPU. What it cannot show: the real kernels' bits and speed.
 
+Int workspace modelled (flashinfer issue #4002): ``plan()`` writes one scheduler entry (request
+index) per REAL work tile into the page-locked int workspace, then copies the region of the
+PADDED grid (``padded_batch_size`` entries; graph mode pads to ``max(2 * #SM / num_kv_heads,
+tiles)``) to the device; the padding CTAs read whatever that memory held. The real wrappers
+allocate both buffers with ``torch.empty`` and torch's pinned-memory cache hands back buffers of
+earlier wrappers, so the stand-in fills them with ``0x01`` bytes (request index 16843009, one of
+the values reproduced) and ``run()`` raises where a real kernel would read out of range.
+
 Numerics modelled: a split KV is computed chunk by chunk and merged through the log-sum-exp
 (as ``merge_states`` does), so a row's bits depend on its plan's chunk size exactly where the
 real kernels' do. Every plan is recorded in ``wrapper.plans`` (``PlanRecord``).
@@ -24,6 +32,8 @@ from typing import Any
 import torch
 
 NUM_SMS = 132  # an H100 SXM; max_grid_size = 2 * NUM_SMS as in PrefillPlan
+INT_WORKSPACE_BYTES = 1 << 20  # the real wrappers take 8 MiB; 1 MiB holds every plan tested here
+RECYCLED_BYTE = 1  # what a recycled pinned buffer holds in the stand-in (0x01010101 per int32)
 
 plan_calls = 0  # every plan() on any wrapper (tests reset it)
 
@@ -65,8 +75,9 @@ def _binary_search_chunk(graph: bool, max_bs_if_split: int, packed: list[int], k
 
 def plan_split(qo_lens: list[int], kv_pages: list[int], num_qo_heads: int, num_kv_heads: int,
                head_dim: int, page_size: int, graph: bool, uniform_q_len: int,
-               fixed_split_size: int, disable_split_kv: bool) -> tuple[int, bool, int, int]:
-    """``PrefillSplitQOKVIndptr``: (cta_tile_q, split_kv, kv_chunk_pages, padded_batch_size)."""
+               fixed_split_size: int, disable_split_kv: bool) -> tuple[int, bool, int, int, list[int]]:
+    """``PrefillSplitQOKVIndptr``: (cta_tile_q, split_kv, kv_chunk_pages, padded_batch_size,
+    request_indices): one request index per real work tile (``new_batch_size`` of them)."""
     g = num_qo_heads // num_kv_heads
     b = len(qo_lens)
     packed = [q * g for q in qo_lens]
@@ -89,16 +100,17 @@ def plan_split(qo_lens: list[int], kv_pages: list[int], num_qo_heads: int, num_k
     else:
         split, chunk = _binary_search_chunk(graph, max_bs_if_split, packed, kv_pages, tile,
                                             max(128 // page_size, 1))
-    new_bs = 0
-    for p, k in zip(packed, kv_pages):
+    request_indices = []
+    for r, (p, k) in enumerate(zip(packed, kv_pages)):
         chunks = 1 if disable_split_kv else _cdiv(max(k, 1), chunk)
         if fixed_split_size > 0 and not disable_split_kv:
             split = split or chunks > 1
-        new_bs += _cdiv(p, tile) * chunks
+        request_indices += [r] * (_cdiv(p, tile) * chunks)
+    new_bs = len(request_indices)
     padded = max(max_bs_if_split, total_tiles) if graph else new_bs
     if new_bs > padded:
         raise RuntimeError("new batch size should not exceed padded batch size")
-    return tile, split, chunk, padded
+    return tile, split, chunk, padded, request_indices
 
 
 def _attend(q, k_cache, v_cache, qo, kv_indptr, kv_indices, last_len, page_size, scale, chunk):
@@ -147,6 +159,10 @@ class _Wrapper:
         self._use_cuda_graph = use_cuda_graph
         self._backend = backend
         self.plans: list[PlanRecord] = []
+        # torch.empty in the real wrappers; recycled pinned memory holds earlier wrappers' data
+        self._int_workspace_buffer = torch.full((INT_WORKSPACE_BYTES,), RECYCLED_BYTE, dtype=torch.uint8)
+        self._pin_memory_int_workspace_buffer = torch.full((INT_WORKSPACE_BYTES,), RECYCLED_BYTE,
+                                                           dtype=torch.uint8)
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -170,9 +186,15 @@ class _Wrapper:
         global plan_calls
         plan_calls += 1
         kv_pages = (kv_indptr[1:] - kv_indptr[:-1]).tolist()
-        tile, split, chunk, padded = plan_split(
+        tile, split, chunk, padded, request_indices = plan_split(
             qo_lens, kv_pages, num_qo_heads, num_kv_heads, head_dim, page_size,
             self._use_cuda_graph, uniform_q_len, fixed_split_size or -1, disable_split_kv)
+        # scheduler entries: the real tiles' into page-locked memory, then the padded grid's
+        # region to the device (PrefillPlan: std::copy of the real entries, one async copy)
+        pinned = self._pin_memory_int_workspace_buffer.view(torch.int32)
+        pinned[:len(request_indices)] = torch.tensor(request_indices, dtype=torch.int32)
+        self._int_workspace_buffer.view(torch.int32)[:padded] = pinned[:padded]
+        self._grid, self._num_reqs = padded, len(qo_lens)
         need = 0
         if split:
             tmp_v = num_qo_heads * padded * tile * head_dim * 4
@@ -192,6 +214,13 @@ class _Wrapper:
             **kwargs: Any) -> torch.Tensor:
         if not self.plans:
             raise RuntimeError("run() before plan()")
+        req = self._int_workspace_buffer.view(torch.int32)[:self._grid]
+        wild = ((req < 0) | (req >= self._num_reqs)).nonzero()
+        if len(wild):
+            cta = int(wild[0])
+            raise RuntimeError(f"CUDA error: an illegal memory access was encountered (stand-in: "
+                               f"CTA {cta} of {self._grid} reads request index {int(req[cta])} of "
+                               f"{self._num_reqs}, left in the int workspace)")
         res = _attend(q, paged_kv_cache[:, 0], paged_kv_cache[:, 1], self._qo_indptr_buf,
                       self._paged_kv_indptr_buf, self._paged_kv_indices_buf,
                       self._paged_kv_last_page_len_buf, self._page_size, self._scale, self._chunk)

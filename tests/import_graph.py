@@ -35,6 +35,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core: EngineCore, outputs, wiring", ("tokenbudget.engine.core",)),
     ("front-ends: LLM, LLMEngine, AsyncLLM, serve", ("tokenbudget.engine.entrypoints", "tokenbudget.engine.serve")),
     ("test kit: fake model, harness, fuzzing", ("tokenbudget.testing",)),
+    ("integrations: Ray Data, Ray Serve", ("tokenbudget.integrations",)),
     ("console script, namespace root", ("tokenbudget.cli", "tokenbudget.__main__", "tokenbudget")),
 )
 

@@ -13,14 +13,16 @@ KEY = "test-key"
 
 
 @contextlib.contextmanager
-def running_server(llm, api_key: str | None = KEY, grace_period: float = 5.0, stopper: list | None = None):
+def running_server(llm, api_key: str | None = KEY, grace_period: float = 5.0, stopper: list | None = None,
+                   **options):
     """Serve ``llm`` at the yielded base URL (``http://127.0.0.1:PORT``) until the block ends;
-    ``stopper`` receives the uvicorn server (set its ``should_exit`` to start the drain early)."""
+    ``stopper`` receives the uvicorn server (set its ``should_exit`` to start the drain early);
+    ``options`` go to ``make_server`` (``limits=ServerLimits(...)``)."""
     with contextlib.ExitStack() as stack:
         for attempt in range(3):  # free_port() is released before uvicorn binds it: under pytest-xdist
             try:                  # another worker may take it in between; a fresh port then
                 server = stack.enter_context(server_in_thread(llm, MODEL, api_key=api_key, grace_period=grace_period,
-                                                              log_level="warning"))
+                                                              log_level="warning", **options))
                 break
             except RuntimeError:
                 if attempt == 2:

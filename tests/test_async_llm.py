@@ -38,7 +38,7 @@ def reference(async_llm) -> list[str]:
 async def _wait_idle(llm: AsyncLLM, timeout: float = 60.0) -> None:
     """Queued aborts are applied by the background loop; wait until it has drained."""
     deadline = asyncio.get_running_loop().time() + timeout
-    while (llm._loop_task is not None and not llm._loop_task.done()) or llm.engine.has_unfinished_requests():
+    while not llm.idle or llm.engine.has_unfinished_requests():
         assert asyncio.get_running_loop().time() < deadline, "engine never became idle"
         await asyncio.sleep(0.01)
 

@@ -58,11 +58,19 @@ def _check_deterministic_model() -> None:
     plain, det = build_model(cfg, sd), build_model(cfg, sd)
     assert apply_deterministic_mode(det, "cpu")
     assert all(lin.invariant for lin in (det.layers[0].qkv, det.layers[0].down, det.lm_head))
+    from tokenbudget.kernels.rmsnorm_triton import rms_norm_batch_invariant
+    assert det.rms_norm is rms_norm_batch_invariant and plain.rms_norm is not rms_norm_batch_invariant
     hidden = torch.randn(7, 64, generator=torch.Generator().manual_seed(2))
     got = det.compute_logits(hidden)
     torch.testing.assert_close(got, plain.compute_logits(hidden), atol=1e-4, rtol=1e-4)
-    for i in (0, 3, 6):
-        assert torch.equal(det.compute_logits(hidden[i:i + 1]), got[i:i + 1])
+    # the same row at the same offset of its 16-row tile, in batches of 1..7 rows: the kernel's
+    # shape never depends on M. (Moving a row to another offset of the tile is not checked here:
+    # the interpreter's tl.dot is numpy's OpenBLAS sgemm, whose rows 6..15 of a 16-row GEMM are
+    # added up differently from rows 0..5 on this CPU; on a GPU, _check_matmul's row 20 alone
+    # checks an offset change.)
+    assert torch.equal(det.compute_logits(hidden[:1]), got[:1])
+    for i in (3, 6):
+        assert torch.equal(det.compute_logits(hidden[:i + 1])[i], got[i])
 
 
 @needs_triton
@@ -79,3 +87,24 @@ def test_deterministic_mode_is_a_noop_on_cpu_without_the_interpreter(monkeypatch
     assert EngineConfig(deterministic=True).deterministic
     with pytest.raises(ValueError, match="deterministic"):
         EngineConfig(deterministic="yes")
+
+
+def test_deterministic_mode_leaves_process_wide_cublas_flags_alone(monkeypatch):
+    """Every GEMM of the target goes through the Triton matmul in deterministic mode, so the
+    process-wide cuBLAS flags it used to flip (and never restore) changed nothing of its own."""
+    from tokenbudget.engine.model import build_model
+    from tokenbudget.engine.model.config import ModelConfig
+    from tokenbudget.engine.worker import deterministic
+
+    from batch_schedules import random_state_dict
+
+    cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = build_model(cfg, random_state_dict(cfg, seed=1))
+    monkeypatch.setattr(deterministic, "triton_runnable_on", lambda device: True)
+    flags = torch.backends.cuda.matmul
+    monkeypatch.setattr(flags, "allow_tf32", True)
+    monkeypatch.setattr(flags, "allow_bf16_reduced_precision_reduction", True)
+    assert deterministic.apply_deterministic_mode(model, "cuda")
+    assert flags.allow_tf32 and flags.allow_bf16_reduced_precision_reduction
+    assert model.lm_head.invariant

@@ -120,6 +120,32 @@ def test_unbucketed_batches_run_eagerly(setup):
     assert plans == 2                                    # eager: a prefill and a decode group
 
 
+def test_deterministic_graphs_are_planned_like_eager(setup):
+    """N4/N7: default-mode graphs plan a padded verify with the bucket's L (its tile may differ
+    from the eager plan by design); deterministic mode plans eager groups and every bucket with
+    one L, so a padded replay runs the eager kernel."""
+    model, caches, _, _ = setup
+    backend = FlashInferBackend(_spec(), "cpu", flashinfer=fis, num_sms=132, deterministic=True)
+    runner = CUDAGraphRunner(model, caches, backend, batch_sizes=(1, 3), draft_lens=(0, 2),
+                             max_pages_per_req=MAX_PAGES, driver=ReplayDriver())
+    runner.capture()
+    assert sorted(runner.graphs) == [(1, 16), (3, 16)]
+    _compare((model, caches, backend, runner), [3, 1, 2], [50, 17, 90], seed=5)
+    graph = runner.graphs[(3, 16)].attn.wrapper.plans[-1]
+    eager = backend.uniform_wrapper(16).plans[-1]
+    assert (graph.kernel, graph.cta_tile_q, graph.split_kv) == (eager.kernel, eager.cta_tile_q, False)
+
+
+def test_verify_longer_than_a_uniform_group_runs_eagerly(setup):
+    """max_spec_tokens >= 16 with graphs used to fail start-up (bad graph bucket q_len=17)."""
+    model, caches, backend, _ = setup
+    runner = CUDAGraphRunner(model, caches, backend, batch_sizes=(1,), draft_lens=(0, 16),
+                             max_pages_per_req=MAX_PAGES, driver=ReplayDriver())
+    runner.capture()
+    assert sorted(runner.graphs) == [(1, 1)]
+    assert runner._bucket_for([0, 17]) is None
+
+
 # ---- GPU ----------------------------------------------------------------------------------
 
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None

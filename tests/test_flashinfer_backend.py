@@ -125,6 +125,47 @@ def test_deterministic_disables_the_prefill_split():
         assert all(w.use_tensor_cores and not w.plans[-1].split_kv for w in be._uniform.values())
 
 
+def test_deterministic_decode_and_verify_share_one_plan():
+    """N4: the CTA tile comes from the packed rows L * G; on a GQA-4 layout a decode (4 rows,
+    tile 16) and a 5-row verify (20 rows, tile 64) ran different kernels. Deterministic mode plans
+    every decode/verify with one L (rows padded): one tile, one kernel, whatever k."""
+    for det in (False, True):
+        be = _standin(deterministic=det)
+        (verify, _), _ = _attend(be, [5], [300], seed=6, pad=0)
+        _, _, tables, slots, cache, q, k, v = _batch([5], [300], 6, "cpu", SHAPE_8B, 0)
+        decode, _ = _run(be, [0, 1], [296], tables, slots[:1], cache, q[:1], k[:1], v[:1])
+        assert torch.equal(decode[0], verify[0])
+        tiles = {p.cta_tile_q for w in be._uniform.values() for p in w.plans}
+        assert (len(tiles) == 1) is det, tiles
+        # a mixed batch (decode, two verifies of different k, a prefill chunk) plans one uniform
+        # group; its real rows get what the per-q_len plans give (the stand-in's math is per row)
+        (mixed, _), qo = _attend(be, [1, 3, 5, 40], [90, 60, 300, 40], seed=7, pad=2)
+        assert (len(be._uniform) == 1) is det
+        (plain, _), _ = _attend(_standin(), [1, 3, 5, 40], [90, 60, 300, 40], seed=7, pad=2)
+        assert torch.equal(mixed, plain) and torch.count_nonzero(mixed[qo[-1]:]) == 0
+
+
+def test_graph_bucket_padding_ctas_read_zeroed_scheduler_entries(monkeypatch):
+    """N1 (flashinfer #4002): a graph bucket's grid is padded to 2 * #SM / num_kv_heads CTAs but
+    plan() writes scheduler entries for the real tiles only; the rest came from recycled pinned
+    memory (wild request indices). The graph state zeroes both int workspaces at creation."""
+    be = _standin()
+    qo, kv, tables, slots, cache, q, k, v = _batch([1, 1], [40, 17], 5, "cpu", SHAPE_8B, 0)
+    state = be.graph_state(batch_size=2, q_len=1, max_pages=64)
+    md = state.prepare(qo, kv, tables, slots)
+    be.attend(q, cache, md)
+    grid = 2 * fis.NUM_SMS // SHAPE_8B.num_kv_heads       # 33 CTAs for 2 real tiles
+    entries = state.wrapper._int_workspace_buffer.view(torch.int32)[:grid]
+    assert entries[:2].tolist() == [0, 1] and not entries[2:].any()
+    # without the zeroing the stand-in fails where the GPU would read out of range
+    from tokenbudget.kernels.attention import flashinfer_backend
+    monkeypatch.setattr(flashinfer_backend, "zero_int_workspaces", lambda wrapper: None)
+    state = be.graph_state(batch_size=2, q_len=1, max_pages=64)
+    md = state.prepare(qo, kv, tables, slots)
+    with pytest.raises(RuntimeError, match="illegal memory access.*request index 16843009"):
+        be.attend(q, cache, md)
+
+
 def test_model_runner_passes_deterministic_to_the_selector(monkeypatch):
     from tokenbudget.engine.model.config import ModelConfig
     from tokenbudget.engine.worker import model_runner

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("api", "engine", "scheduler", "spec", "kv_cache", "kernels", "testing", "cli")
+FOLDERS = ("api", "engine", "scheduler", "spec", "kv_cache", "kernels", "testing", "cli", "integrations")
 
 
 def _pyproject() -> dict:
@@ -40,7 +40,7 @@ def test_every_package_folder_is_listed():
 
 def test_folders_refuse_their_bare_names():
     """``import engine`` from the repository root would load a second copy of every module."""
-    for name in ("engine", "scheduler", "spec", "kv_cache"):
+    for name in ("engine", "scheduler", "spec", "kv_cache", "integrations"):
         proc = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=ROOT, capture_output=True, text=True)
         assert proc.returncode != 0 and "installs as tokenbudget." in proc.stderr, name
 
@@ -61,4 +61,5 @@ def test_wheel_holds_only_the_tokenbudget_namespace(tmp_path):
     assert {t for t in tops if not t.endswith((".dist-info", ".data"))} == {"tokenbudget"}
     names = zipfile.ZipFile(wheel).namelist()
     assert "tokenbudget/engine/entrypoints/llm.py" in names and "tokenbudget/scheduler/scheduler.py" in names
+    assert "tokenbudget/integrations/ray/data.py" in names
     assert "tokenbudget/kernels/cpu/quant_gemm.c" in names  # compiled at first use: the source must ship

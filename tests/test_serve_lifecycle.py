@@ -100,7 +100,7 @@ def test_metrics_parse(llm_and_url):
         assert r.status_code == 200
     text = httpx.get(f"{url}/metrics", timeout=30).text
     families = {f.name: f for f in prometheus_parser.text_string_to_metric_families(text)}
-    assert all(name.startswith("tokenbudget_") for name in families)
+    assert all(name.startswith(("tokenbudget_", "vllm:")) for name in families)  # vllm: for routers
     for name in ("tokenbudget_time_to_first_token_seconds", "tokenbudget_time_per_output_token_seconds",
                  "tokenbudget_e2e_request_latency_seconds", "tokenbudget_request_queue_time_seconds"):
         assert families[name].type == "histogram"
@@ -155,19 +155,18 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-def _refused(url: str) -> bool:
+def _draining(url: str) -> bool:
+    """``/health`` answers 503 (the server still listens: a router sees it drain)."""
     try:
-        httpx.get(f"{url}/health", timeout=2)
-    except httpx.ConnectError:
-        return True
+        return httpx.get(f"{url}/health", timeout=2).status_code == 503
     except httpx.TransportError:
-        pass
-    return False
+        return False
 
 
 def test_sigterm_drains_and_exits_zero(tmp_path):
     """A real ``tokenbudget serve`` process: a request in flight at SIGTERM (held there by a gate)
-    still completes once let go, new connections are refused meanwhile, the process exits 0."""
+    still completes once let go; meanwhile ``/health`` and new requests answer 503 (a router
+    stops sending and retries elsewhere: engine/serve/readiness.py); the process exits 0."""
     default_loaded()  # skips only when the default model cannot be had (engine_fixtures)
     port = free_port()
     gate = tmp_path / "gate"
@@ -197,7 +196,9 @@ def test_sigterm_drains_and_exits_zero(tmp_path):
         t.start()
         _wait(lambda: len(result) > 0 or not t.is_alive())
         proc.send_signal(signal.SIGTERM)
-        _wait(lambda: _refused(url))  # draining: no new connections
+        _wait(lambda: _draining(url))
+        late = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10)
+        assert late.status_code == 503 and late.headers["retry-after"] == "1"  # new work goes elsewhere
         assert t.is_alive() and "data: [DONE]" not in result  # held by the gate: still in flight
         gate.touch()
         t.join(60)

@@ -13,8 +13,9 @@ from tokenbudget.engine.structured.bitmask import apply_bitmask, unpack_bitmask
 from tokenbudget.engine.structured.manager import StructuredOutputs
 from tokenbudget.engine.text.tokenizer import Tokenizer
 from tokenbudget.engine.worker.sampler import Sampler, SamplingRow
-from tokenbudget.scheduler.output import EngineCoreOutput, ScheduledRequest
+from tokenbudget.scheduler.output import EngineCoreOutput, ScheduledRequest, SchedulerOutput
 from tokenbudget.scheduler.request import Request, RequestStatus
+from tokenbudget.scheduler.request_fault import RequestFault
 
 from model_helpers import write_tokenizer_files
 
@@ -113,6 +114,12 @@ def _scheduled(request: Request, drafts: list[int]) -> ScheduledRequest:
                             request.sampling_params, 0, 0)
 
 
+def _apply_masks(so: StructuredOutputs, logits: torch.Tensor, sr: ScheduledRequest) -> None:
+    """What the core and the runner do: masks after ``schedule()``, applied to the raw logits."""
+    masks = so.grammar_bitmask(SchedulerOutput([sr]))
+    apply_bitmask(logits, 0, masks[sr.request_id])
+
+
 def _allowed(so: StructuredOutputs, rid: str) -> set[int]:
     mask = np.zeros(so._backend.bitmask_width, dtype=np.int32)
     so.matchers[rid].fill_bitmask(mask)
@@ -133,7 +140,7 @@ def test_forbidden_draft_is_rejected_by_the_verify(tokenizer):
     logits[1, b] = 1.0
     raw = logits.clone()
     sr = _scheduled(req, [a, x])
-    so.apply_masks(logits, [(0, 3, sr)])
+    _apply_masks(so, logits, sr)
     assert torch.isinf(logits[0, x]) and torch.isinf(logits[1, x]) and torch.isinf(logits[1, a])
     assert torch.equal(logits[2], raw[2])  # after the illegal draft: never read, left alone
     assert _allowed(so, "r") == before  # rolled back to the committed state
@@ -152,7 +159,7 @@ def test_forbidden_draft_rejected_under_rejection_sampling(tokenizer):
     q[0, x] = 1.0
     for seed in range(30):
         logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(seed))
-        so.apply_masks(logits, [(0, 2, _scheduled(req, [x]))])
+        _apply_masks(so, logits, _scheduled(req, [x]))
         (out,) = Sampler()(logits, [SamplingRow(req.sampling_params, seed, 3, [x], q)]).token_ids
         assert len(out) == 1 and out[0] in (a, c)
 
@@ -166,7 +173,7 @@ def test_drafts_after_completion_are_not_consumed(tokenizer):
     so = _manager(tokenizer, req)
     start = _allowed(so, "r")
     logits = torch.zeros(5, VOCAB)
-    so.apply_masks(logits, [(0, 5, _scheduled(req, [a, b, eos, x]))])
+    _apply_masks(so, logits, _scheduled(req, [a, b, eos, x]))
     assert torch.isinf(logits[2]).sum() == VOCAB - 1 and logits[2, eos] == 0  # after "ab": EOS only
     assert not torch.isinf(logits[3:]).any()
     assert _allowed(so, "r") == start
@@ -214,8 +221,9 @@ def test_illegal_committed_token_fails_the_step_without_changing_state(tokenizer
     req = _request("r", StructuredOutputsParams(choice=["ab"]))
     so = _manager(tokenizer, req)
     start = _allowed(so, "r")
-    with pytest.raises(RuntimeError, match="breaks its structured output"):
+    with pytest.raises(RequestFault, match="breaks the grammar") as fault:  # the request's fault, not the engine's
         so.prepare([EngineCoreOutput("r", [a, x])])
+    assert list(fault.value.reasons) == ["r"]
     so.rollback()
     assert _allowed(so, "r") == start
 

@@ -8,12 +8,20 @@ is what they pass in. One step:
     drafts = structured.trim_drafts(drafts)           #   cut at the first token a grammar forbids
     scheduler.add_drafts(drafts)                      #   cut to draft_limit
     sched  = scheduler.schedule()                     # token budget; counters advance optimistically
-    result = runner.execute(sched)                    # one forward + (grammar masks) + sampling/verification
+    sched.grammar_bitmask = structured.grammar_bitmask(sched)  # masks of the sampling rows
+    result = runner.execute(sched)                    # one forward + masks applied + sampling/verification
     plan   = scheduler.plan_update(sched, result)     # what the step commits; changes nothing
     structured.prepare(plan)                          # grammars consume the tokens (may end requests)
     outs   = outputs.prepare(plan)                    # text, stop strings (may end requests)
     --- commit: scheduler.apply_update, outputs.commit, structured.commit, speculator.commit,
         on_finished fan-out
+
+**Request faults** (``scheduler.request_fault.RequestFault``: a grammar that cannot give a mask
+or exceeds its mask budget, a logits processor that raises, parameters that leave no token
+allowed) name the requests they belong to. The step is rolled back, exactly those requests end
+with ``finish_reason="error"`` and the step runs again without them. They are never retried,
+never isolated by halving and never counted towards ``max_failed_steps``: whatever a request
+asks for, it can only end itself. Every other exception is an *engine fault*, handled below.
 
 Everything before the commit either changes nothing or journals its changes, so when anything
 there raises (model, sampler, proposer, a kernel, the detokenizer) the step is rolled back:
@@ -26,7 +34,8 @@ as they were (``kv_cache.journal`` says what a rollback after a forward pass kee
   alone (twice), recursively, down to the requests whose presence makes a step fail: those
   finish with ``finish_reason="error"`` and the fault in ``RequestOutput.error``; the others go
   on, their output the same as in a fault-free run;
-* *engine-wide* faults: every request of the failed step (two or more) fails alone too, or
+* *engine-wide* faults: every request of the failed step (two or more, not all children of one
+  ``n > 1`` request) fails alone too, or
   ``max_failed_steps`` steps in a row in which nothing could run (a lone request failing alone
   each time looks exactly like a bad request; a few in a row do not): the engine is dead, every
   later call raises ``EngineDeadError``, and every request is released.
@@ -60,6 +69,7 @@ from tokenbudget.engine.core.stats import EngineStats, ThroughputMeter, collect_
 from tokenbudget.engine.structured.manager import StructuredOutputs
 from tokenbudget.scheduler.output import EngineCoreOutput, SchedulerOutput
 from tokenbudget.scheduler.request import Request, RequestStatus
+from tokenbudget.scheduler.request_fault import RequestFault, short
 from tokenbudget.scheduler.scheduler import Scheduler
 from tokenbudget.spec.speculator import Speculator
 
@@ -87,6 +97,7 @@ class EngineCore:
         self.num_generated_tokens = 0  # output tokens committed
         self.throughput = ThroughputMeter()
         self._participants: set[str] = set()
+        self._fault_outputs: list[RequestOutput] = []  # this step's requests ended by a RequestFault
 
     # ------------------------------------------------------------------ requests (between steps)
     def add_request(self, request: Request, prompt: str | None = None, arrival_time: float | None = None) -> None:
@@ -114,7 +125,7 @@ class EngineCore:
 
     def _add_one(self, request: Request, prompt: str | None, arrival_time: float | None = None,
                  parent: ParentRequest | None = None, index: int = 0) -> None:
-        matcher = self.structured.compile(request)
+        matcher = self.structured.take(request, copy=index > 0)
         self.scheduler.add_request(request)
         try:
             self.outputs.add_request(request, prompt, arrival_time, parent, index)
@@ -123,6 +134,7 @@ class EngineCore:
             raise
         self.num_prompt_tokens += request.num_prompt_tokens
         self.structured.add(request.request_id, matcher)
+        request.grammar = None  # the structured manager holds it now
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a running or waiting request (a parent: all its children in flight); its final
@@ -155,14 +167,17 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return []
         self._progress = False
+        self._fault_outputs = []
         try:
             outputs = self._try(None)
         except EngineDeadError:
             raise
         except Exception:
-            return self._recover()
-        self.failed_steps_in_a_row = 0
-        return outputs
+            outputs = self._recover()
+        else:
+            self.failed_steps_in_a_row = 0
+        faulted, self._fault_outputs = self._fault_outputs, []
+        return faulted + outputs if faulted else outputs
 
     def _attempt(self, only: Collection[str] | None) -> list[RequestOutput]:
         scheduler, speculator, outputs, structured = self.scheduler, self.speculator, self.outputs, self.structured
@@ -179,6 +194,7 @@ class EngineCore:
                     scheduler.add_drafts(structured.trim_drafts(drafts))
                 sched = scheduler.schedule(only)
             participants.update(sr.request_id for sr in sched.scheduled)
+            sched.grammar_bitmask = structured.grammar_bitmask(sched)
             dirty = True
             result = self.runner.execute(sched)
             plan = scheduler.plan_update(sched, result)
@@ -213,15 +229,20 @@ class EngineCore:
 
     # ------------------------------------------------------------------ faults
     def _try(self, only: Collection[str] | None) -> list[RequestOutput]:
-        """One attempt; counts failures and notes progress (an attempt that ran something)."""
-        try:
-            outputs = self._attempt(only)
-        except EngineDeadError:
-            raise
-        except Exception as fault:
-            self.num_failed_attempts += 1
-            logger.warning("tokenbudget: step failed (%s: %s)", type(fault).__name__, fault)
-            raise
+        """One attempt (again without the requests a ``RequestFault`` ended, which count as no
+        failure); counts engine faults and notes progress (an attempt that ran something)."""
+        while True:
+            try:
+                outputs = self._attempt(only)
+                break
+            except RequestFault as fault:
+                self._end_faulted(fault)
+            except EngineDeadError:
+                raise
+            except Exception as fault:
+                self.num_failed_attempts += 1
+                logger.warning("tokenbudget: step failed (%s: %s)", type(fault).__name__, short(fault))
+                raise
         if self._participants:
             self._progress = True
         return outputs
@@ -253,7 +274,10 @@ class EngineCore:
         outputs = []
         failed_alone: list[tuple[str, Exception]] = []
         self._isolate(suspects, last_fault, outputs, failed_alone)
-        if len(failed_alone) >= 2 and len(failed_alone) == len(suspects):
+        # Every request of the step failing alone is an engine fault, unless they are the children
+        # of one request (its n samples): that is one request failing, however many children.
+        owners = {self.outputs.parent_id(rid) for rid, _ in failed_alone}
+        if len(failed_alone) >= 2 and len(failed_alone) == len(suspects) and len(owners) >= 2:
             self._die(failed_alone[-1][1], [rid for rid, _ in failed_alone])
         self.failed_steps_in_a_row = 0 if self._progress else self.failed_steps_in_a_row + 1
         if self.failed_steps_in_a_row >= self.max_failed_steps:
@@ -280,6 +304,21 @@ class EngineCore:
             except Exception as part_fault:
                 self._isolate(part, part_fault, outputs, failed_alone)
 
+    def _end_faulted(self, fault: RequestFault) -> None:
+        """End the requests a ``RequestFault`` names (the step was rolled back); their final
+        outputs go out with this step's."""
+        ended = []
+        for request_id, reason in fault.reasons.items():
+            request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+            if request is None:
+                continue
+            self.num_errored_requests += 1
+            logger.warning("tokenbudget: request %r ended by its own fault: %s", request_id, reason)
+            ended.append(self._final_output(request, reason))
+        if not ended:  # names no request in flight: a bug, so an engine fault
+            raise RuntimeError(f"a RequestFault named no request in flight: {fault}") from fault
+        self._fault_outputs.extend(self.outputs.gather([out for out in ended if out is not None]))
+
     def _fail_request(self, request_id: str, fault: Exception) -> RequestOutput | None:
         """End a request that fails alone; its final output (a child's, not yet gathered)."""
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
@@ -287,11 +326,11 @@ class EngineCore:
             return None
         self.num_errored_requests += 1
         logger.warning("tokenbudget: request %r failed alone and was ended: %s: %s", request_id,
-                       type(fault).__name__, fault)
-        return self._final_output(request, f"{type(fault).__name__}: {fault}")
+                       type(fault).__name__, short(fault))
+        return self._final_output(request, short(f"{type(fault).__name__}: {fault}"))
 
     def _die(self, fault: BaseException, failed_alone: list[str] | None = None) -> None:
-        dead = EngineDeadError(f"the engine stopped serving after {type(fault).__name__}: {fault}",
+        dead = EngineDeadError(f"the engine stopped serving after {type(fault).__name__}: {short(fault)}",
                                failed_alone or [])
         dead.__cause__ = fault
         self.dead = dead

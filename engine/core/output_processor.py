@@ -123,6 +123,11 @@ class OutputProcessor:
     def has(self, request_id: str) -> bool:
         return request_id in self.states
 
+    def parent_id(self, request_id: str) -> str:
+        """The id of the request a child belongs to (its own id for any other request)."""
+        link = self._parent_of.get(request_id)
+        return link[0].request_id if link is not None else request_id
+
     def child_ids(self, request_id: str) -> list[str] | None:
         """The children of a parent request in flight, or None for any other id."""
         parent = self.parents.get(request_id)
@@ -258,20 +263,33 @@ class OutputProcessor:
     @staticmethod
     def _check_stop_strings(state: RequestState, entry: EngineCoreOutput, detok_before: tuple) -> None:
         """End the request at the first stop string, keeping only the tokens up to the one that
-        completed it (found by replaying this step's tokens one at a time from ``detok_before``)."""
+        completed it (found by replaying this step's tokens one at a time from ``detok_before``).
+
+        As vLLM (its #21987): stop strings count only once the output is longer than
+        ``min_tokens``; the text of the first ``min_tokens`` outputs is never searched (a stop
+        string may still start in it and end after it)."""
         params, detok = state.params, state.detok
-        matched, _ = detok.check_stop(params.stop, params.include_stop_str_in_output)
-        if matched is None:
-            return
+        stop, include = params.stop, params.include_stop_str_in_output
         new = entry.new_token_ids
+        num_before = len(state.token_ids) - len(new)
+        if num_before + len(new) <= params.min_tokens:
+            detok.check_stop((), include)  # marks this text as searched
+            return
+        if num_before >= params.min_tokens:
+            matched, _ = detok.check_stop(stop, include)
+            if matched is None:
+                return
         keep = len(new)
-        if keep > 1:
+        if keep > 1 or num_before < params.min_tokens:
             detok.restore(detok_before)
+            matched = None
             for keep in range(1, len(new) + 1):
                 detok.add_tokens(new[keep - 1:keep])
-                matched, _ = detok.check_stop(params.stop, params.include_stop_str_in_output)
+                matched, _ = detok.check_stop(stop if num_before + keep > params.min_tokens else (), include)
                 if matched is not None:
                     break
+            if matched is None:
+                return
             drop = len(new) - keep
             if drop:
                 del state.token_ids[len(state.token_ids) - drop:]

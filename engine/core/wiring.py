@@ -89,9 +89,9 @@ def wire_engine(config: EngineConfig, target: TargetModel, spec_config: Speculat
     if config.deterministic:
         from tokenbudget.engine.worker.deterministic import apply_deterministic_mode
         apply_deterministic_mode(model, device)
-    structured = StructuredOutputs(target.tokenizer, mcfg.vocab_size)
+    structured = StructuredOutputs(target.tokenizer, mcfg.vocab_size, config.max_grammar_mask_ms)
     runner = ModelRunner(model, mcfg, kv_caches, config.block_size, Sampler(), device,
-                         deterministic=config.deterministic, structured=structured)
+                         deterministic=config.deterministic)
     if config.cuda_graphs:
         _wrap_in_cuda_graphs(runner, kv_caches, spec_config, max_model_len, config)
     speculator = _build_speculator(spec_config, target, scheduler, runner) if spec_config else Speculator()

@@ -9,10 +9,15 @@
         ...
 
 ``add_request`` validates and tokenizes at once, in the caller's thread, so a bad request is a
-``ValueError`` before anything streams; it returns the request's ``RequestStream``. One
-background task steps the engine in a worker thread (the event loop never blocks on a forward
-pass) and hands each step's outputs to the streams. Requests and aborts reach the engine
-between steps, inside that worker call, so the engine is only ever touched by one thread.
+``ValueError`` before anything streams; it returns the request's ``RequestStream``, which
+belongs to the event loop that called ``add_request``. One step thread, owned by the
+``AsyncLLM`` (started on demand, ended once nothing is left to do), applies the inbox of new
+requests and aborts and steps the engine, so the engine is only ever touched by one thread and
+no event loop ever blocks on a forward pass. It hands each step's outputs to every stream's own
+loop (``call_soon_threadsafe``). So an ``AsyncLLM`` is bound to no loop: it may be built in one
+thread and used from a loop in another (Ray runs an actor's async methods that way), from
+several loops at once, or from a new loop after the old one closed; a stream whose loop has
+closed is aborted.
 
 Ending: ``abort(id)`` ends that stream at once with a final "abort" output; closing or
 cancelling a consumer aborts its request; an errored request's stream raises ``RequestError``;
@@ -21,7 +26,8 @@ once the engine is dead every stream and every later call raises ``EngineDeadErr
 Figures: after every step the worker thread takes an ``EngineStats`` snapshot; ``get_stats()``
 answers from it while the loop runs (the event loop never reads the engine mid-step). Admission
 control (``max_queued_requests`` / ``max_queued_tokens``) counts the waiting requests of that
-snapshot plus the requests accepted since (``_transit``, cleared once a snapshot includes them):
+snapshot plus the requests accepted since (``_transit``, cleared once a snapshot includes them; both
+under ``_inbox_lock``):
 ``add_request`` raises ``EngineOverloadedError`` past either bound.
 """
 
@@ -33,7 +39,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -48,6 +54,16 @@ from tokenbudget.engine.entrypoints.stream import RequestStream
 logger = logging.getLogger("tokenbudget")
 
 
+class PreparedRequest(NamedTuple):
+    """A request validated and tokenized by ``AsyncLLM.make_request``, not yet queued."""
+
+    request_id: str
+    kind: RequestOutputKind
+    text: str | None
+    request: Any  # scheduler.request.Request
+    arrival: float
+
+
 class AsyncLLM:
     def __init__(self, model=None, **options: Any) -> None:
         self.engine = LLMEngine(model=model, **options)
@@ -55,7 +71,8 @@ class AsyncLLM:
         self._inbox_lock = threading.Lock()
         self._pending_adds: list[tuple[Any, str | None]] = []
         self._pending_aborts: list[str] = []
-        self._loop_task: asyncio.Task | None = None
+        self._stepping = False  # the step thread runs (under _inbox_lock)
+        self._engine_lock = threading.Lock()  # held by whoever reads or steps the engine
         self._ids = itertools.count()
         self._stats: EngineStats = self.engine.get_stats()  # the snapshot after the latest step
         self._transit = [0, 0]  # requests, prompt tokens accepted but not yet in a snapshot
@@ -69,7 +86,14 @@ class AsyncLLM:
                     priority: int = 0) -> RequestStream:
         """Validate, tokenize and queue a request; its stream. ValueError (nothing queued) for a
         bad request, ``EngineDeadError`` once the engine is dead, ``EngineOverloadedError`` past
-        the admission bounds. Call from the event loop."""
+        the admission bounds. Call from the event loop (a server calls ``make_request`` in a
+        worker thread, then ``add_made_request``, so tokenizing never blocks the loop)."""
+        return self.add_made_request(self.make_request(request_id, prompt, sampling_params, priority))
+
+    def make_request(self, request_id: str | None, prompt: PromptInput, sampling_params: SamplingParams | None = None,
+                     priority: int = 0) -> PreparedRequest:
+        """The costly, thread-safe half of ``add_request``: validate, tokenize, compile the
+        grammar. Touches no stream or engine state; call it from any thread."""
         arrival = time.monotonic()
         self.engine.core.raise_if_dead()
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
@@ -80,16 +104,27 @@ class AsyncLLM:
         if isinstance(params, SamplingParams) and kind != RequestOutputKind.FINAL_ONLY:
             params = msgspec.structs.replace(params, output_kind=RequestOutputKind.DELTA)  # streams merge
         text, request = self.engine.make_request(rid, prompt, params, priority)
-        n_transit, tokens_transit = self._transit
+        return PreparedRequest(rid, kind, text, request, arrival)
+
+    def add_made_request(self, prepared: PreparedRequest) -> RequestStream:
+        """Queue a request from ``make_request``; its stream, read on the calling event loop."""
+        self.engine.core.raise_if_dead()
+        rid, request = prepared.request_id, prepared.request
+        if rid in self._streams:
+            raise ValueError(f"duplicate request_id {rid!r}: a request with this id is still running")
+        loop = asyncio.get_running_loop()
         if self.engine.config.admission_control:
             stats = self.get_stats()
+            with self._inbox_lock:
+                n_transit, tokens_transit = self._transit
             check_admission(self.engine.config, stats.num_waiting + n_transit,
                             stats.num_waiting_tokens + tokens_transit, request.num_prompt_tokens)
-        self._transit = [n_transit + 1, tokens_transit + request.num_prompt_tokens]
-        stream = RequestStream(rid, kind, self.abort, request.sampling_params.n)
+        stream = RequestStream(rid, prepared.kind, self.abort, request.sampling_params.n, loop=loop)
         self._streams[rid] = stream
         with self._inbox_lock:
-            self._pending_adds.append((request, text, arrival))
+            self._transit[0] += 1
+            self._transit[1] += request.num_prompt_tokens
+            self._pending_adds.append((request, prepared.text, prepared.arrival))
         self._ensure_loop()
         return stream
 
@@ -128,18 +163,46 @@ class AsyncLLM:
     def get_stats(self) -> EngineStats:
         """Engine-wide figures (``EngineStats``): the snapshot after the latest step while the
         loop runs, a fresh one when it is idle."""
-        if self._loop_task is None or self._loop_task.done():
-            stats = self.engine.get_stats()
-        else:
-            stats = self._stats
+        stats = self._stats
+        if not self._stepping and self._engine_lock.acquire(blocking=False):
+            try:
+                stats = self.engine.get_stats()
+            finally:
+                self._engine_lock.release()
         if stats.healthy and not self.engine.is_healthy():
             stats = msgspec.structs.replace(stats, healthy=False)
         return stats
 
-    # ------------------------------------------------------------------ the loop
+    @property
+    def idle(self) -> bool:
+        """No step thread runs: every request has finished or been aborted in the engine."""
+        return not self._stepping
+
+    # ------------------------------------------------------------------ the step thread
     def _ensure_loop(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        """Start the step thread unless it runs (it ends itself once nothing is left to do)."""
+        with self._inbox_lock:
+            if self._stepping:
+                return
+            self._stepping = True
+        try:
+            origin = asyncio.get_running_loop()
+        except RuntimeError:  # not on a loop (an abort from another thread): nothing to wait for
+            origin = None
+        threading.Thread(target=self._run, args=(origin,), name="tokenbudget-step", daemon=True).start()
+
+    @staticmethod
+    def _after_this_turn(loop, timeout: float = 0.5) -> None:
+        """Wait (at most ``timeout``) until ``loop`` has finished the callback that started the
+        step thread, so the requests a caller adds in one turn of its loop (a list comprehension
+        of ``add_request``) reach the engine together, in one step, as they did when the loop
+        stepped the engine itself."""
+        turned = threading.Event()
+        try:
+            loop.call_soon_threadsafe(turned.set)
+        except RuntimeError:  # the loop is closed
+            return
+        turned.wait(timeout)
 
     def _take_inbox(self) -> tuple[list, list[str]]:
         with self._inbox_lock:
@@ -148,7 +211,7 @@ class AsyncLLM:
         return adds, aborts
 
     def _step(self, adds: list, aborts: list[str]) -> tuple[list[RequestOutput], list[tuple[str, Exception]]]:
-        """In the worker thread: apply the inbox, then one engine step."""
+        """Apply the inbox, then one engine step (the caller holds ``_engine_lock``)."""
         engine, rejected = self.engine, []
         aborted = set(aborts)
         for request, text, arrival in adds:
@@ -164,48 +227,79 @@ class AsyncLLM:
         self._stats = engine.get_stats()
         return outputs, rejected
 
-    async def _run(self) -> None:
+    def _run(self, origin=None) -> None:
+        """The step thread: step until no request is left and the inbox is empty."""
+        if origin is not None:
+            self._after_this_turn(origin)
         try:
             while True:
                 adds, aborts = self._take_inbox()
                 try:
-                    outputs, rejected = await asyncio.to_thread(self._step, adds, aborts)
+                    with self._engine_lock:
+                        outputs, rejected = self._step(adds, aborts)
                 finally:  # the snapshot counts them now (or they are gone)
-                    self._transit = [self._transit[0] - len(adds),
-                                     self._transit[1] - sum(r.num_prompt_tokens for r, _, _ in adds)]
-                for rid, exc in rejected:
-                    stream = self._streams.pop(rid, None)
-                    if stream is not None:
-                        stream.fail(exc)
-                for out in outputs:
-                    stream = self._streams.get(out.request_id)
-                    if stream is not None:
-                        stream.put(out)
-                        if out.finished:
-                            del self._streams[out.request_id]
-                if not self.engine.has_unfinished_requests():
                     with self._inbox_lock:
-                        if not self._pending_adds and not self._pending_aborts:
-                            return
-        except EngineDeadError as exc:
-            self._fail_all(exc)
-        except BaseException as exc:  # a bug in the loop itself: no stream may hang on it
-            logger.exception("tokenbudget: AsyncLLM loop failed")
+                        self._transit[0] -= len(adds)
+                        self._transit[1] -= sum(r.num_prompt_tokens for r, _, _ in adds)
+                self._dispatch([(rid, None, exc) for rid, exc in rejected]
+                               + [(out.request_id, out, None) for out in outputs])
+                with self._inbox_lock:
+                    if (not self._pending_adds and not self._pending_aborts
+                            and not self.engine.has_unfinished_requests()):
+                        self._stepping = False
+                        return
+        except BaseException as exc:  # a dead engine, or a bug in the loop itself: no stream may hang on it
+            if not isinstance(exc, EngineDeadError):
+                logger.exception("tokenbudget: AsyncLLM step thread failed")
             self._fail_all(exc if isinstance(exc, Exception) else EngineDeadError(f"engine loop ended: {exc!r}"))
-            raise
+            with self._inbox_lock:
+                self._stepping = False
+
+    def _dispatch(self, items: list[tuple[str, RequestOutput | None, Exception | None]]) -> None:
+        """Hand (request id, output, error) items to their streams, each on its own loop; the
+        requests of a loop that has closed are aborted (nobody can read them)."""
+        by_loop: dict[Any, list] = {}
+        for item in items:
+            stream = self._streams.get(item[0])
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append(item)
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(self._deliver, batch)
+            except RuntimeError:  # the loop is closed
+                for rid, _, _ in batch:
+                    if self._streams.pop(rid, None) is not None:
+                        with self._inbox_lock:
+                            self._pending_aborts.append(rid)
+
+    def _deliver(self, batch: list) -> None:
+        """On a stream's loop: one step's outputs and rejections."""
+        for rid, out, exc in batch:
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue  # aborted meanwhile
+            if exc is not None:
+                del self._streams[rid]
+                stream.fail(exc)
+                continue
+            stream.put(out)
+            if out.finished:
+                del self._streams[rid]
 
     def _fail_all(self, exc: BaseException) -> None:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
-            stream.fail(exc)
+            try:
+                stream.loop.call_soon_threadsafe(stream.fail, exc)
+            except RuntimeError:  # its loop is closed: nobody reads it
+                pass
 
     async def shutdown(self) -> None:
-        """Abort every request and wait for the loop to finish."""
+        """Abort every request and wait for the step thread to finish."""
         for rid in list(self._streams):
             self.abort(rid)
-        task = self._loop_task
-        if task is not None and not task.done():
-            await task
+        while self._stepping:
+            await asyncio.sleep(0.01)
 
     def get_spec_stats(self):
         return self.engine.get_spec_stats()

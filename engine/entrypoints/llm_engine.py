@@ -67,8 +67,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def make_request(self, request_id: str, prompt: PromptInput, sampling_params: SamplingParams | None = None,
                      priority: int = 0):
-        """Validate and tokenize: ``(prompt text, Request)``; ValueError naming what is wrong.
-        Touches no engine state, so it may run outside the thread that steps the engine."""
+        """Validate, tokenize and compile the grammar: ``(prompt text, Request)``; ValueError naming
+        what is wrong. Touches no engine state, so it may run outside the thread that steps the
+        engine (``AsyncLLM.make_request`` runs it in a worker thread, off the event loop)."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -76,6 +77,7 @@ class LLMEngine:
                                      self.model_config.vocab_size, max_model_len=self.max_model_len,
                                      max_logprobs=self.config.max_logprobs)
         check_request_fits(request, self.scheduler.config, self.scheduler.kv.num_blocks)
+        request.grammar = self.core.structured.compile(request)  # the costly part, here and not in a step
         return text, request
 
     def add_request(self, request_id: str, prompt: PromptInput, sampling_params: SamplingParams | None = None,

@@ -70,8 +70,9 @@ class _Completion:
 
 class RequestStream:
     def __init__(self, request_id: str, kind: RequestOutputKind, on_cancel: Callable[[str], None],
-                 n: int = 1) -> None:
+                 n: int = 1, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.request_id = request_id
+        self.loop = loop  # the event loop that reads it (AsyncLLM delivers there)
         self.kind = kind
         self.n = n
         self._on_cancel = on_cancel

@@ -1,14 +1,20 @@
 """The OpenAI-compatible routes on one ``AsyncLLM``.
 
     POST /v1/completions, POST /v1/chat/completions (JSON, or SSE with ``"stream": true``)
-    GET /v1/models, GET /health (503 once the engine is dead), GET /metrics (Prometheus)
+    GET /v1/models, GET /health (503 once the engine is dead), GET /metrics (Prometheus),
+    GET /version (what routers probe; ``readiness`` adds 503s while loading and draining)
 
-Every check runs before a response starts: the body decodes strictly (``protocol``), then
-``AsyncLLM.add_request`` validates and queues synchronously, so a bad field is a 400, a full
-queue a 429 with ``Retry-After``, a dead engine a 503, all as OpenAI error objects and before any
-byte of a stream. A client that goes away (streaming or not) aborts its request at once: every
-response races the request's generation against the connection's ``http.disconnect``. A request
-that ends aborted or in error is reported as an error, never as a finished answer.
+Every check runs before a response starts: a body over ``--max-request-bytes`` is a 413 before
+it is read (``body_limit``); the body decodes strictly under the server's limits (``protocol``,
+``limits``); then decoding, chat templating, tokenizing and grammar compilation run in a small
+thread pool of their own (``AsyncLLM.make_request``), never on the event loop, so ``/health`` and
+every stream keep going while a large request is examined; the request is queued on the loop.
+A bad field is a 400 naming it, a limit a 400/413 naming the flag, a full queue a 429 with
+``Retry-After``, a dead engine a 503, all as OpenAI error objects (never over a few hundred
+characters of message) and before any byte of a stream. A client that goes away (streaming or
+not) aborts its request at once: every response races the request's generation against the
+connection's ``http.disconnect``. A request that ends aborted or in error is reported as an
+error, never as a finished answer.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import importlib.metadata
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 import msgspec
@@ -27,9 +35,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tokenbudget.api.errors import EngineDeadError, EngineOverloadedError, RequestError
 from tokenbudget.engine.serve import protocol as proto
 from tokenbudget.engine.serve import responses as resp
+from tokenbudget.engine.serve.body_limit import LimitBody
+from tokenbudget.engine.serve.limits import LimitError, ServerLimits, flag, prompt_byte_bound
 from tokenbudget.engine.serve.metrics import CONTENT_TYPE, ServerMetrics
 
-_OPEN_PATHS = ("/health", "/metrics")
+try:
+    _VERSION = importlib.metadata.version("tokenbudget")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    _VERSION = "0+unknown"
+_OPEN_PATHS = ("/health", "/metrics", "/version")
 
 
 class _Json(JSONResponse):
@@ -96,27 +110,71 @@ class _RequireKey:
 
 
 class OpenAIServer:
-    def __init__(self, llm, model_name: str) -> None:
+    def __init__(self, llm, model_name: str, limits: ServerLimits | None = None) -> None:
         self.llm, self.model_name = llm, model_name
-        self.metrics = ServerMetrics(llm)
+        self.limits = limits if limits is not None else ServerLimits()
+        self.metrics = ServerMetrics(llm, model_name)
         self.token_text = resp.TokenText(llm.tokenizer)
+        self.max_model_len = llm.engine.max_model_len
+        self.max_prompt_tokens = min(self.limits.max_prompt_tokens or self.max_model_len, self.max_model_len)
+        self.byte_bound = prompt_byte_bound(llm.tokenizer) if llm.tokenizer is not None else None
+        # Request preparation's own threads: a slow one never holds up the engine's step thread.
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenbudget-prepare")
 
     # ---------------------------------------------------------------- requests
-    def _start(self, body: bytes, chat: bool):
+    def _prepare(self, body: bytes, chat: bool):
+        """In a preparation thread: decode, check the limits, template, tokenize, compile."""
         kind = proto.ChatCompletionRequest if chat else proto.CompletionRequest
-        req = proto.decode(body, kind)
+        req = proto.decode(body, kind, self.limits)
         if req.model is not None and req.model != self.model_name:
             raise proto.ProtocolError(f"model {req.model!r} is not served here (serving {self.model_name!r})", "model")
         params = proto.to_sampling_params(req, bool(req.stream))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        field = "messages" if chat else "prompt"
         if chat:
-            stream = self.llm.chat(proto.chat_messages(req), params, request_id=rid)
+            messages = proto.chat_messages(req)
+            self._check_prompt_bytes(b"".join(m["content"].encode("utf-8", "surrogatepass") for m in messages), field)
+            try:
+                prompt = self.llm.tokenizer.apply_chat_template(messages)
+            except ValueError as exc:
+                raise proto.ProtocolError(str(exc), "messages") from None
         else:
-            stream = self.llm.add_request(rid, proto.completion_prompt(req), params)
-        return req, params, rid, stream
+            prompt = proto.completion_prompt(req)
+            if isinstance(prompt, str):
+                self._check_prompt_bytes(prompt.encode("utf-8", "surrogatepass"), field)
+            elif len(prompt) > self.max_prompt_tokens:
+                self._too_many_tokens(len(prompt), field)
+        prepared = self.llm.make_request(rid, prompt, params)
+        num_prompt = prepared.request.num_prompt_tokens
+        if num_prompt > self.max_prompt_tokens:
+            self._too_many_tokens(num_prompt, field)
+        asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        if asked is not None and num_prompt + asked > self.max_model_len:  # vLLM: a 400, never a silent clamp
+            name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+            raise LimitError(f"this model's maximum context length is {self.max_model_len} tokens; the request "
+                             f"asks for {num_prompt + asked} ({num_prompt} in the prompt, {asked} in {name})", name)
+        return req, params, prepared
+
+    def _check_prompt_bytes(self, data: bytes, field: str) -> None:
+        """Refuse, before tokenizing, a prompt whose bytes alone need more than
+        ``max_prompt_tokens`` tokens (``limits.prompt_byte_bound`` says when that is certain)."""
+        if self.byte_bound is not None and self.byte_bound.min_tokens(data) > self.max_prompt_tokens:
+            raise LimitError(f"{field} is {len(data)} bytes: more than {self.max_prompt_tokens} tokens "
+                             f"({self._token_limit()}), whatever its text", field)
+
+    def _too_many_tokens(self, num_tokens: int, field: str) -> None:
+        raise LimitError(f"{field} has {num_tokens} tokens, more than {self._token_limit()}", field)
+
+    def _token_limit(self) -> str:
+        if self.max_prompt_tokens < self.max_model_len:
+            return f"{flag('max_prompt_tokens')}={self.max_prompt_tokens}"
+        return f"max_model_len={self.max_model_len}"
 
     async def handle(self, request: Request, chat: bool) -> Response:
-        req, params, rid, stream = self._start(await request.body(), chat)
+        body = await request.body()
+        req, params, prepared = await asyncio.get_running_loop().run_in_executor(self.pool, self._prepare, body, chat)
+        del body
+        stream, rid = self.llm.add_made_request(prepared), prepared.request_id
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -195,20 +253,26 @@ class OpenAIServer:
         return self._events(stream, rid, created, "chat.completion.chunk", include_usage, render)
 
 
-def build_app(llm, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving ``llm`` (an ``AsyncLLM``) as ``model_name``."""
-    server = OpenAIServer(llm, model_name)
+def build_app(llm, model_name: str, api_key: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
+    """The FastAPI app serving ``llm`` (an ``AsyncLLM``) as ``model_name`` under ``limits``."""
+    server = OpenAIServer(llm, model_name, limits)
 
     @asynccontextmanager
     async def lifespan(app):
         yield
         await llm.shutdown()  # after the drain: abort what is left
+        server.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="tokenbudget", lifespan=lifespan)
     app.state.server = server
 
-    if api_key is not None:
+    app.add_middleware(LimitBody, max_request_bytes=server.limits.max_request_bytes)
+    if api_key is not None:  # added last: runs first, so a body is never read without the key
         app.add_middleware(_RequireKey, api_key=api_key)
+
+    @app.exception_handler(LimitError)
+    async def past_limit(request, exc: LimitError):
+        return _error(exc.status, str(exc), "invalid_request_error", exc.param)
 
     @app.exception_handler(proto.ProtocolError)
     async def bad_body(request, exc: proto.ProtocolError):
@@ -216,7 +280,8 @@ def build_app(llm, model_name: str, api_key: str | None = None) -> FastAPI:
 
     @app.exception_handler(ValueError)
     async def bad_value(request, exc: ValueError):  # from AsyncLLM.add_request: the prompt, mostly
-        word = str(exc).split(" ", 1)[0]
+        word = str(exc).split(" ", 1)[0].rstrip(":").split(".", 1)[0]
+        word = "response_format" if word == "structured_outputs" else word  # the one field that maps to it
         return _error(400, str(exc), "invalid_request_error", word if word in proto.FIELDS else "prompt")
 
     @app.exception_handler(EngineOverloadedError)
@@ -242,8 +307,13 @@ def build_app(llm, model_name: str, api_key: str | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return _Json({"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                                  "owned_by": "tokenbudget",
+                                                  "owned_by": "tokenbudget", "root": llm.engine.config.model
+                                                  or model_name, "parent": None,
                                                   "max_model_len": llm.engine.max_model_len}]})
+
+    @app.get("/version")
+    async def version():
+        return _Json({"version": _VERSION})
 
     @app.get("/health")
     async def health():

@@ -1,5 +1,6 @@
 """``GET /metrics``: Prometheus text format, every name in the ``tokenbudget_`` namespace
-(modelled on vLLM's ``vllm:`` names).
+(modelled on vLLM's ``vllm:`` names), and next to them the ``vllm:`` names routers read
+(``router_metrics``).
 
 Engine-wide figures are read from ``AsyncLLM.get_stats()`` at scrape time by a collector, so
 they are never out of step with the engine (gauges: running/waiting/preempted requests, KV
@@ -15,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tokenbudget.api.outputs import RequestOutput
+from tokenbudget.engine.serve.router_metrics import VllmNamesCollector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -61,9 +63,10 @@ class _EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self, llm) -> None:
+    def __init__(self, llm, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(llm))
+        self.registry.register(VllmNamesCollector(llm, model_name))
         r = self.registry
         self.ttft = Histogram("tokenbudget_time_to_first_token_seconds", "Time to first token.",
                               buckets=_LATENCY_BUCKETS, registry=r)

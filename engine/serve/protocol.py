@@ -18,6 +18,7 @@ from typing import Any, Literal
 import msgspec
 
 from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
+from tokenbudget.engine.serve.limits import ServerLimits, check_counts, check_depth
 
 # OpenAI fields not mapped yet (the sampling-parity work adds them to SamplingParams), with the
 # value that means "not used".
@@ -123,10 +124,16 @@ _UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 _REQUIRED = re.compile(r"missing required field `([^`]+)`")
 
 
-def decode(body: bytes, kind: type[_Common]) -> _Common:
-    """The request body as ``kind``; ``ProtocolError`` naming the field otherwise."""
+def decode(body: bytes, kind: type[_Common], limits: ServerLimits | None = None) -> _Common:
+    """The request body as ``kind``; ``ProtocolError`` naming the field otherwise, ``LimitError``
+    naming the field and the limit past ``limits`` (each field's nesting depth is measured on the
+    raw JSON before anything decodes it)."""
+    limits = limits if limits is not None else ServerLimits()
+    check_depth(body, limits)
     try:
-        return msgspec.json.decode(body, type=kind)
+        req = msgspec.json.decode(body, type=kind)
+    except RecursionError:  # unreachable under the depth limits; never a bare 500
+        raise ProtocolError("the request body is nested too deeply") from None
     except msgspec.ValidationError as exc:
         msg = str(exc)
         found = _UNKNOWN.search(msg) or _AT.search(msg) or _REQUIRED.search(msg)
@@ -136,6 +143,8 @@ def decode(body: bytes, kind: type[_Common]) -> _Common:
         raise ProtocolError(msg, param) from None
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"the request body is not valid JSON: {exc}") from None
+    check_counts(req, limits)
+    return req
 
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:

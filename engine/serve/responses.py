@@ -11,10 +11,19 @@ from __future__ import annotations
 
 from tokenbudget.api.outputs import Logprob, RequestMetrics, RequestOutput
 
+MAX_ERROR_CHARS = 400  # an error quotes at most this much of anything (input included)
+
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
                code: int | str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    """OpenAI's error object; the message cut short and no ``param`` longer than a field name,
+    so no error body is ever large (a 10 MB ``model`` name is not sent back)."""
+    return {"error": {"message": _clip(str(message), MAX_ERROR_CHARS), "type": kind,
+                      "param": param if param is None or len(str(param)) <= 64 else None, "code": code}}
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, metrics: RequestMetrics | None) -> dict:

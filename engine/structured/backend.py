@@ -57,6 +57,15 @@ class GrammarMatcher(ABC):
     def is_complete(self) -> bool:
         """The output matches and nothing may follow but EOS: the request is done."""
 
+    @abstractmethod
+    def error(self) -> str | None:
+        """Why the matcher can go no further (a grammar it cannot follow, a resource limit), or
+        None. A matcher in error is the fault of its request, never of the engine."""
+
+    @abstractmethod
+    def copy(self) -> GrammarMatcher:
+        """An independent matcher in the same state (the children of an ``n > 1`` request)."""
+
 
 class GrammarBackend(ABC):
     """Builds matchers for one vocabulary."""

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import llguidance
 import numpy as np
 
+from tokenbudget.api.grammar_source import PARSER_LIMITS
 from tokenbudget.engine.structured.backend import GrammarBackend, GrammarMatcher
 
 
@@ -31,7 +32,7 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     def consume(self, tokens: Sequence[int]) -> None:
         if tokens and not self._m.consume_tokens(list(tokens)):
-            raise RuntimeError(f"grammar refused tokens it had validated: {self._m.get_error()}")
+            raise RuntimeError(f"grammar refused tokens it had validated: {self.error()}")
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
@@ -39,6 +40,12 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     def is_complete(self) -> bool:
         return self._m.is_stopped()
+
+    def error(self) -> str | None:
+        return self._m.get_error().replace("<non-verbose/>", "").strip() if self._m.is_error() else None
+
+    def copy(self) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self._m.deep_copy())
 
 
 class LLGuidanceBackend(GrammarBackend):
@@ -55,7 +62,7 @@ class LLGuidanceBackend(GrammarBackend):
         return self._width
 
     def matcher(self, source: str) -> LLGuidanceMatcher:
-        m = llguidance.LLMatcher(self._tokenizer, source, log_level=0)
+        m = llguidance.LLMatcher(self._tokenizer, source, log_level=0, limits=PARSER_LIMITS)
         if m.is_error():
             raise ValueError(f"structured_outputs: the grammar cannot be used with this model: {m.get_error()}")
         return LLGuidanceMatcher(m)

@@ -3,49 +3,73 @@
 The invariant: between steps, a request's matcher has consumed exactly its committed output
 tokens. Everything else follows from it.
 
+* ``compile`` (admission, in the caller's thread, off the step loop): the matcher, refused with a
+  ``ValueError`` naming ``structured_outputs`` when it cannot be built on this vocabulary, cannot
+  produce a first token (the JSON schema ``{"$ref": "#"}``), is too complex for llguidance's
+  limits one token in (a schema of 5000 optional properties: the probe consumes the first legal
+  token and rolls it back), or its first mask alone costs more than ``FIRST_MASK_ALLOWANCE``
+  per-step mask budgets.
 * ``trim_drafts`` (after ``propose``): a request's drafts are cut at the first token its grammar
   forbids, since verification would reject it anyway. Only fewer drafts: no effect on the output.
-* ``apply_masks`` (row preparation, after the forward pass): row j of a (1 + k)-row verify is
-  masked with the grammar state advanced through ``drafts[:j]``, exactly the state plain decoding
-  would have there if those drafts were accepted. A draft the grammar forbids has logit ``-inf``
-  at its row, so the verify rejects it like any other draft the target would not produce; the
-  rows after it are never read (the row of the rejected draft emits the recovered token) and stay
-  unmasked; so do the rows after a draft that completes the grammar (the request ends at that
-  draft). The matcher is rolled back to the committed state before returning (also on error).
+* ``grammar_bitmask(sched)`` (the core, after ``schedule()``, before the forward): the masks of
+  every sampling row, carried in ``SchedulerOutput.grammar_bitmask`` for the runner to apply.
+  Row j of a (1 + k)-row verify is masked with the grammar state advanced through
+  ``drafts[:j]``, exactly the state plain decoding would have there if those drafts were accepted.
+  A draft the grammar forbids has logit ``-inf`` at its row, so the verify rejects it like any
+  other draft the target would not produce; the rows after it are never read (the row of the
+  rejected draft emits the recovered token) and stay unmasked; so do the rows after a draft that
+  completes the grammar (the request ends at that draft). The matcher is rolled back to the
+  committed state before returning (also on error). A request whose mask cannot be computed
+  (matcher error, a row that allows no token) or whose masks cost more than ``max_mask_ms`` of
+  CPU time in the step is a ``RequestFault``: it ends alone, before the forward, and one
+  request's grammar never holds the batch up for longer than that budget.
 * ``prepare(plan)`` (before the output processor): the step's new tokens are checked against the
   grammar, then consumed, and journaled. A request whose grammar is complete after some token
   (nothing but EOS may follow) finishes there with ``finish_reason="stop"``; tokens after it
   (a bonus EOS) are dropped, so speculative and plain decoding commit the same tokens. A token
-  the grammar forbids cannot be sampled; if it is (a bug, or ``min_tokens`` banning the only
-  legal token, EOS), the step raises and the engine's isolation ends that request.
+  the grammar forbids cannot be sampled; if it is (``min_tokens`` banning the only legal token,
+  EOS) or the grammar refuses to go on (a resource limit), that request's ``RequestFault``.
 * ``rollback()`` undoes ``prepare``; ``commit(plan)`` keeps it, rolling back the tokens a later
   stage of the step dropped (a stop string cut the output; that request finishes anyway).
+
+Mask cost: wall-clock limits would fail requests on a busy machine, so the budget is the CPU time
+of the thread computing the masks (``time.thread_time``), which does not grow when the process
+waits for a core.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
-import torch
 
 from tokenbudget.api.grammar_source import grammar_source
 from tokenbudget.engine.structured.backend import GrammarBackend, GrammarMatcher
-from tokenbudget.engine.structured.bitmask import apply_bitmask
 from tokenbudget.engine.structured.llguidance_backend import load_backend
 from tokenbudget.scheduler.drafts import DraftBatch
-from tokenbudget.scheduler.output import EngineCoreOutput
+from tokenbudget.scheduler.output import EngineCoreOutput, SchedulerOutput
 from tokenbudget.scheduler.request import Request, RequestStatus
+from tokenbudget.scheduler.request_fault import RequestFault, short
 from tokenbudget.scheduler.stop import end_at
+
+DEFAULT_MAX_MASK_MS = 10.0
+# The first mask builds the lexer's caches (up to ~7 ms for an ordinary schema on a 49k vocabulary,
+# benches/RESULTS.md) and is paid once, off the step loop: it may take this many per-step budgets.
+FIRST_MASK_ALLOWANCE = 10
 
 
 class StructuredOutputs:
     """The engine's grammar states; ``tokenizer`` None means structured requests are refused."""
 
-    def __init__(self, tokenizer=None, vocab_size: int = 0) -> None:
+    def __init__(self, tokenizer=None, vocab_size: int = 0, max_mask_ms: float = DEFAULT_MAX_MASK_MS) -> None:
+        if not max_mask_ms > 0:
+            raise ValueError(f"max_mask_ms must be > 0, got {max_mask_ms!r}")
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.max_mask_seconds = max_mask_ms / 1000.0  # CPU time one request's masks may take per step
         self._backend: GrammarBackend | None = None  # built on first use (~0.3 s on a 49k vocabulary)
+        self._backend_lock = threading.Lock()
         self.matchers: dict[str, GrammarMatcher] = {}
         self._journal: list[tuple[str, GrammarMatcher, int]] = []
         self.mask_seconds = 0.0  # time spent computing and applying masks (benches read it)
@@ -54,15 +78,46 @@ class StructuredOutputs:
     # ---- requests (between steps)
     def compile(self, request: Request) -> GrammarMatcher | None:
         """The request's matcher, or None when it has no structured output; ValueError naming
-        ``structured_outputs`` when the grammar cannot be used. Changes nothing."""
+        ``structured_outputs`` when the grammar cannot be used (see the module docstring).
+        Changes nothing; safe to call from any thread."""
         params = getattr(request.sampling_params, "structured_outputs", None)
         if params is None:
             return None
         if self.tokenizer is None:
             raise ValueError("structured_outputs needs an engine with a tokenizer")
-        if self._backend is None:
-            self._backend = load_backend(self.tokenizer, self.vocab_size)
-        return self._backend.matcher(grammar_source(params))
+        backend = self._load_backend()
+        matcher = backend.matcher(grammar_source(params))
+        first = np.zeros(backend.bitmask_width, dtype=np.int32)
+        start = time.thread_time()
+        matcher.fill_bitmask(first)
+        spent = time.thread_time() - start
+        error = matcher.error()
+        if error is not None or not first.any():
+            raise ValueError(f"structured_outputs: the grammar cannot produce a first token"
+                             f"{': ' + short(error, 200) if error else ''}")
+        error = _probe_first_token(matcher, first)
+        if error is not None:
+            raise ValueError(f"structured_outputs: the grammar is too complex: {short(error, 200)}")
+        if spent > FIRST_MASK_ALLOWANCE * self.max_mask_seconds:
+            raise ValueError(f"structured_outputs: the grammar is too costly: its first mask took "
+                             f"{spent * 1e3:.0f} ms of CPU, more than the "
+                             f"{FIRST_MASK_ALLOWANCE * self.max_mask_seconds * 1e3:g} ms allowed")
+        return matcher
+
+    def _load_backend(self) -> GrammarBackend:
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = load_backend(self.tokenizer, self.vocab_size)
+            return self._backend
+
+    def take(self, request: Request, copy: bool = False) -> GrammarMatcher | None:
+        """The matcher for a request being admitted: the one compiled before ``add_request``
+        (``request.grammar``; a copy of it for the second and later children of an ``n > 1``
+        request), else compiled now."""
+        matcher = request.grammar
+        if matcher is None:
+            return self.compile(request)
+        return matcher.copy() if copy else matcher
 
     def add(self, request_id: str, matcher: GrammarMatcher | None) -> None:
         if matcher is not None:
@@ -89,37 +144,40 @@ class StructuredOutputs:
                     probs[i] = probs[i][:n] if n else None
         return DraftBatch(batch.request_ids, tokens, probs) if changed else batch
 
-    def apply_masks(self, logits: torch.Tensor, rows) -> None:
-        """In place: mask every verify row of the structured requests (see the module docstring).
-        ``rows``: per sampling request, ``(first_row, num_rows, scheduled_request)``."""
+    def grammar_bitmask(self, sched: SchedulerOutput) -> dict[str, np.ndarray] | None:
+        """The masks of the step's sampling rows (``SchedulerOutput.grammar_bitmask``); raises
+        ``RequestFault`` naming every request whose masks fail or exceed the budget. The
+        matchers are back in their committed state when it returns or raises."""
         if not self.matchers:
-            return
-        start = time.perf_counter()
+            return None
+        wall = time.perf_counter()
         width = self._backend.bitmask_width
-        for first, m, sr in rows:
+        masks: dict[str, np.ndarray] = {}
+        faults: dict[str, str] = {}
+        for sr in sched.scheduled:
             matcher = self.matchers.get(sr.request_id)
-            if matcher is None:
+            if matcher is None or not sr.needs_sample:
                 continue
-            drafts = sr.spec_token_ids[:m - 1]
-            n = matcher.num_legal(drafts)
-            bitmask = np.zeros((n + 1, width), dtype=np.int32)
-            consumed = 0
+            start = time.thread_time()
             try:
-                matcher.fill_bitmask(bitmask[0])
-                # A complete grammar consumes nothing more: the request ends at the token that
-                # completed it, so later rows (EOS-only until then) are never read.
-                while consumed < n and not matcher.is_complete():
-                    matcher.consume(drafts[consumed:consumed + 1])
-                    consumed += 1
-                    matcher.fill_bitmask(bitmask[consumed])
-            finally:
-                matcher.rollback(consumed)
-            apply_bitmask(logits, first, bitmask[:consumed + 1])
-            self.mask_rows += consumed + 1
-        self.mask_seconds += time.perf_counter() - start
+                masks[sr.request_id] = _verify_rows(matcher, sr.spec_token_ids, width)
+            except _GrammarStuck as exc:
+                faults[sr.request_id] = f"structured_outputs: {exc}"
+                continue
+            spent = time.thread_time() - start
+            if spent > self.max_mask_seconds:
+                faults[sr.request_id] = (f"structured_outputs: the grammar's masks took {spent * 1e3:.0f} ms of CPU "
+                                         f"in one step, more than the {self.max_mask_seconds * 1e3:g} ms allowed")
+            self.mask_rows += len(masks[sr.request_id])
+        self.mask_seconds += time.perf_counter() - wall
+        if faults:
+            raise RequestFault(faults)
+        return masks or None
 
     def prepare(self, plan: list[EngineCoreOutput]) -> None:
-        """Consume the step's tokens (journaled); end requests whose grammar is complete."""
+        """Consume the step's tokens (journaled); end requests whose grammar is complete.
+        ``RequestFault`` naming the requests whose grammar refuses their tokens."""
+        faults: dict[str, str] = {}
         for entry in plan:
             matcher = self.matchers.get(entry.request_id)
             tokens = entry.new_token_ids
@@ -127,17 +185,26 @@ class StructuredOutputs:
                 continue
             n = matcher.num_legal(tokens)
             if n < len(tokens):
-                raise RuntimeError(f"{entry.request_id}: token {tokens[n]} breaks its structured output "
-                                   f"(is min_tokens banning EOS where only EOS is legal?)")
+                error = matcher.error()
+                faults[entry.request_id] = (f"structured_outputs: {short(error, 200)}" if error else
+                                            f"structured_outputs: token {tokens[n]} breaks the grammar "
+                                            f"(is min_tokens banning EOS where only EOS is legal?)")
+                continue
             keep = len(tokens)
-            for i, token in enumerate(tokens):
-                matcher.consume((token,))
-                self._journal.append((entry.request_id, matcher, 1))
-                if matcher.is_complete():
-                    keep = i + 1
-                    break
+            try:
+                for i, token in enumerate(tokens):
+                    matcher.consume((token,))
+                    self._journal.append((entry.request_id, matcher, 1))
+                    if matcher.is_complete():
+                        keep = i + 1
+                        break
+            except RuntimeError as exc:  # the grammar refused a token it had validated (a limit)
+                faults[entry.request_id] = f"structured_outputs: {short(exc, 200)}"
+                continue
             if matcher.is_complete():
                 _finish(entry, keep)
+        if faults:
+            raise RequestFault(faults)
 
     def rollback(self) -> None:
         journal, self._journal = self._journal, []
@@ -154,6 +221,52 @@ class StructuredOutputs:
             extra = consumed.get(entry.request_id, 0) - len(entry.new_token_ids)
             if extra > 0:
                 self.matchers[entry.request_id].rollback(extra)
+
+
+class _GrammarStuck(Exception):
+    """A matcher cannot give a mask: its request's fault."""
+
+
+def _probe_first_token(matcher: GrammarMatcher, first: np.ndarray) -> str | None:
+    """Consume the first legal token and roll it back; the matcher's error if it fails there."""
+    word = int(np.flatnonzero(first)[0])
+    bits = int(first[word]) & 0xFFFFFFFF
+    token = word * 32 + (bits & -bits).bit_length() - 1
+    try:
+        matcher.consume((token,))
+    except RuntimeError as exc:
+        return matcher.error() or str(exc)
+    error = matcher.error()
+    if error is None:
+        matcher.rollback(1)
+    return error
+
+
+def _verify_rows(matcher: GrammarMatcher, drafts: list[int], width: int) -> np.ndarray:
+    """The bitmask rows of one sampling request: row 0 in the committed state, row j after
+    ``drafts[:j]``, up to the first illegal draft or the draft that completes the grammar."""
+    n = matcher.num_legal(drafts) if drafts else 0
+    bitmask = np.zeros((n + 1, width), dtype=np.int32)
+    consumed = 0
+    try:
+        matcher.fill_bitmask(bitmask[0])
+        # A complete grammar consumes nothing more: the request ends at the token that
+        # completed it, so later rows (EOS-only until then) are never read.
+        while consumed < n and not matcher.is_complete():
+            matcher.consume(drafts[consumed:consumed + 1])
+            consumed += 1
+            matcher.fill_bitmask(bitmask[consumed])
+        error = matcher.error()
+    except RuntimeError as exc:
+        error = str(exc)
+    finally:
+        matcher.rollback(consumed)
+    if error is not None:
+        raise _GrammarStuck(short(error, 200))
+    rows = bitmask[:consumed + 1]
+    if not rows.any(axis=1).all():
+        raise _GrammarStuck("the grammar allows no next token")
+    return rows
 
 
 def _finish(entry: EngineCoreOutput, keep: int) -> None:

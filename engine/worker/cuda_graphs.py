@@ -5,11 +5,13 @@ kv_caches)`` signature and is itself a drop-in model (same call, ``compute_logit
 through), so ``ModelRunner(model=CUDAGraphRunner(...), ...)`` needs no other change.
 
 Buckets: every ``(B, L)`` with ``B`` in ``batch_sizes`` and ``L = 1 + k`` for ``k`` in
-``draft_lens``. All graphs are captured at start-up (:meth:`capture`), largest first, sharing one
-memory pool. A step of ``b`` requests with ``1 <= q_len <= L`` rows each runs in the graph of the
-smallest captured ``L >= max q_len`` and the smallest ``B >= b``: draft counts that vary from
-request to request (n-gram, suffix drafts) are padded to the bucket, not sent to the eager path.
-Anything else (prefill chunks longer than every L, too many requests) runs eagerly, unchanged.
+``draft_lens`` up to ``UNIFORM_MAX_Q_LEN`` (a longer verify runs eagerly); in deterministic mode
+every ``L`` is the backend's one planned length (``planned_q_len``), as in its eager groups. All
+graphs are captured at start-up (:meth:`capture`), largest first, sharing one memory pool. A step
+of ``b`` requests with ``1 <= q_len <= L`` rows each runs in the graph of the smallest captured
+``L >= max q_len`` and the smallest ``B >= b``: draft counts that vary from request to request
+(n-gram, suffix drafts) are padded to the bucket, not sent to the eager path. Anything else
+(prefill chunks longer than every L, too many requests) runs eagerly, unchanged.
 
 Replay: FlashInfer's ``plan()`` is host work that cannot be captured. Each bucket owns a
 :class:`~kernels.attention.flashinfer_backend.GraphAttentionState` whose wrapper was built with
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenbudget.kernels.attention.base import AttentionMetadata
+from tokenbudget.kernels.attention.flashinfer_backend import UNIFORM_MAX_Q_LEN
 from tokenbudget.kernels.triton_utils import HAS_TRITON
 
 
@@ -94,7 +97,10 @@ class CUDAGraphRunner:
         self.backend = backend
         self.driver = driver
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
-        self.q_lens = tuple(sorted({1 + k for k in draft_lens}))
+        # a verify longer than a uniform group (k >= 16) runs eagerly instead of failing start-up;
+        # deterministic mode plans every uniform group with one L, so its buckets collapse to it
+        planned = getattr(backend, "planned_q_len", lambda q_len: q_len)
+        self.q_lens = tuple(sorted({planned(1 + k) for k in draft_lens if 1 + k <= UNIFORM_MAX_Q_LEN}))
         self.max_pages_per_req = max_pages_per_req
         self.num_warmup = num_warmup
         self.graphs: dict[tuple[int, int], _Captured] = {}
@@ -123,7 +129,7 @@ class CUDAGraphRunner:
     def _capture_one(self, bsz: int, q_len: int) -> _Captured:
         bs = self.backend.spec.block_size
         attn = self.backend.graph_state(bsz, q_len, bsz * self.max_pages_per_req)
-        n = bsz * q_len
+        n = attn.num_tokens
         dev = self.backend.device
         ids = torch.zeros(n, dtype=torch.long, device=dev)
         pos = torch.zeros(n, dtype=torch.long, device=dev)

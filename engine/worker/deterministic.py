@@ -8,9 +8,14 @@ torch_ref attention, see ``engine/model/llama.py``). On CUDA that needs:
 * attention: every decode/verify row through tensor-core decode with ``q_len_per_req`` and no
   KV split (the FlashInfer backend always does this), and prefill chunks with
   ``disable_split_kv=True`` (``FlashInferBackend(deterministic=True)``, passed by the selector);
+* RMSNorm: ``kernels/rmsnorm_triton.py`` (one program per row, one fixed-width reduction)
+  instead of torch's CUDA reduction, whose launch shape depends on the row count;
 * GEMMs: the batch-invariant Triton matmul (``kernels/batch_invariant_matmul.py``; one tiling
   for every M) instead of cuBLAS, whose kernel choice depends on M;
-* no bf16/fp16 reduced-precision reductions in any cuBLAS call left (``torch.backends``);
+* no process-wide switches: every GEMM of the target's forward and logits goes through the
+  Triton matmul, so no cuBLAS call is left whose flags (``torch.backends.cuda.matmul``
+  reduced-precision reductions, TF32) would matter; flipping them would change every other
+  model in the process and was never undone;
 * fp32 logits (always: ``Linear.fp32_out``).
 
 Cost: no split-KV (long contexts at small batch use fewer SMs) and no cuBLAS for the linears;
@@ -36,16 +41,14 @@ def apply_deterministic_mode(model, device: torch.device | str) -> bool:
         if device.type == "cuda":
             raise ValueError("deterministic=True on CUDA needs triton (the batch-invariant matmul)")
         return False  # CPU: already batch-invariant without Triton
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-        torch.backends.cuda.matmul.allow_tf32 = False
+    from tokenbudget.kernels.rmsnorm_triton import rms_norm_batch_invariant
+    model.rms_norm = rms_norm_batch_invariant
     layers = list(model.layers)
     for lw in layers:
         for lin in (lw.qkv, lw.o, lw.gate_up, lw.down):
             lin.invariant = True
     model.lm_head.invariant = True
-    logger.info("deterministic mode: batch-invariant matmul for %d linears on %s",
+    logger.info("deterministic mode: batch-invariant matmul for %d linears and RMSNorm on %s",
                 4 * len(layers) + 1, device)
     return True
 

@@ -19,8 +19,13 @@ prepared row forbids has p = 0 and is rejected like any other.
 3. ``min_tokens``: EOS and stop ids -> -inf while fewer than ``min_tokens`` outputs precede the row;
 4. ``logit_bias``: added;
 5. ``logits_processors``: the user's callables, in order, on the row with that row's token ids
-   (a token set to +inf is forced: the row keeps only the +inf tokens, equally likely);
+   (a token set to +inf is forced: the row keeps only the +inf tokens, equally likely); a
+   processor that raises, or returns something else than the row, is its request's fault
+   (``RequestFault``): that request ends, the step goes on without it;
 6. presence / frequency / repetition penalties (``engine.worker.penalties``, vectorized).
+
+A prepared row that allows no token at all (``allowed_token_ids`` and a grammar that disagree,
+``min_tokens`` banning the only token a grammar allows) is its request's ``RequestFault``.
 
 Greedy is the argmax of the prepared logits. ``compute_target_probs`` then applies temperature ->
 min-p -> top-k -> top-p -> softmax (vLLM V1's order):
@@ -38,6 +43,7 @@ import torch
 
 from tokenbudget.api.sampling_params import SamplingParams
 from tokenbudget.engine.worker.penalties import apply_penalties
+from tokenbudget.scheduler.request_fault import RequestFault
 
 
 def prepare_logits(logits: torch.Tensor, rows) -> torch.Tensor:
@@ -71,7 +77,13 @@ def prepare_logits(logits: torch.Tensor, rows) -> torch.Tensor:
             ids = torch.tensor(list(params.logit_bias), device=block.device)
             block[:, ids] += torch.tensor(list(params.logit_bias.values()), dtype=block.dtype, device=block.device)
         if params.logits_processors:
-            _call_processors(block, r)
+            try:
+                _call_processors(block, r)
+            except Exception as exc:  # the user's code: the fault of this request alone
+                raise RequestFault({r.request_id: f"logits_processors: {type(exc).__name__}: {exc}"}) from exc
+        if bool(torch.isneginf(block).all(dim=-1).any()):  # e.g. min_tokens bans the only token allowed
+            raise RequestFault({r.request_id: "no token is allowed by the sampling parameters (and grammar) "
+                                              "at this position"})
         if params.has_penalties:
             penalized.append((start, m, params, r.prompt_token_ids, r.output_token_ids, r.draft_token_ids or ()))
     if penalized:

@@ -8,7 +8,9 @@ Stateless across steps: everything a request's sampling needs (parameters, seed,
 banned tokens, drafts and their probabilities, the committed token ids its row preparation reads)
 comes in its ``ScheduledRequest``, and its random numbers are keyed by (seed, position)
 (``keyed_random``). So a failed step leaves nothing to undo here and a finished request leaves
-nothing to free. Prompt logprobs come from the same forward (``prompt_logprobs``).
+nothing to free. Prompt logprobs come from the same forward (``prompt_logprobs``). Grammar masks
+come computed in ``SchedulerOutput.grammar_bitmask`` (the core builds them after ``schedule()``,
+where a grammar's fault is still its request's); the runner only applies them to the raw logits.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.model.cpu_forward import c_forward_name
+from tokenbudget.engine.structured.bitmask import apply_bitmask
 from tokenbudget.engine.worker.input_batch import InputBatch, prepare_inputs
 from tokenbudget.engine.worker.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
 from tokenbudget.engine.worker.sampler import SamplingRow
@@ -37,7 +40,7 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, model, config: ModelConfig, kv_caches: list[torch.Tensor], block_size: int,
                  sampler, device: torch.device | str = "cpu",
-                 attn_backend: AttentionBackend | None = None, deterministic: bool = False, structured=None):
+                 attn_backend: AttentionBackend | None = None, deterministic: bool = False):
         if len(kv_caches) != config.num_hidden_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for {config.num_hidden_layers} layers")
         if kv_caches and kv_caches[0].shape[2] != block_size:
@@ -55,8 +58,6 @@ class ModelRunner:
             attn_backend = select_attention_backend(self.device, spec, deterministic=deterministic,
                                                     attends_itself=c_forward_name(model))
         self.attn_backend = attn_backend
-        # engine.structured.manager.StructuredOutputs: grammar masks on the sampling rows.
-        self.structured = structured
 
     # ---- one step ------------------------------------------------------------------------
     def prepare_inputs(self, sched: SchedulerOutput
@@ -93,8 +94,8 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[list] | None = None
         rows, owners = self._sampling_rows(sched, batch.num_samples)
-        if self.structured is not None:  # grammar masks on the raw logits, before p is built
-            self.structured.apply_masks(logits, _row_spans(sched, batch.num_samples))
+        if sched.grammar_bitmask:  # grammar masks on the raw logits, before p is built
+            _apply_grammar_masks(logits, sched, batch.num_samples)
         if rows:
             out = self.sampler(logits, rows)
             for i, toks in zip(owners, out.token_ids):
@@ -119,19 +120,20 @@ class ModelRunner:
             prompt, output = _context(sr, position)
             rows.append(SamplingRow(sr.params, sr.seed, position, sr.spec_token_ids, sr.spec_probs if k else None,
                                     sr.num_output_tokens, sr.banned_token_ids, prompt, output,
-                                    sr.bad_words_token_ids))
+                                    sr.bad_words_token_ids, request_id=sr.request_id))
             owners.append(i)
         return rows, owners
 
 
-def _row_spans(sched: SchedulerOutput, num_samples: list[int]) -> list[tuple[int, int, object]]:
-    """Per sampling request: ``(first logits row, number of rows, scheduled request)``."""
-    spans, first = [], 0
+def _apply_grammar_masks(logits: torch.Tensor, sched: SchedulerOutput, num_samples: list[int]) -> None:
+    """In place: each structured request's bitmask rows onto its first sampling rows."""
+    masks, first = sched.grammar_bitmask, 0
     for sr, m in zip(sched.scheduled, num_samples):
         if m:
-            spans.append((first, m, sr))
+            bitmask = masks.get(sr.request_id)
+            if bitmask is not None:
+                apply_bitmask(logits, first, bitmask[:m])
             first += m
-    return spans
 
 
 def _context(sr, num_committed: int) -> tuple[list[int], list[int]]:

@@ -81,6 +81,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    request_id: str = ""  # names the request in a ``RequestFault`` from its row preparation
 
     @property
     def num_drafts(self) -> int:
@@ -131,9 +132,10 @@ class Sampler:
         if not rows:
             return SamplerOutput(token_ids=[], logprobs=None)
         vocab, dev = logits.shape[1], logits.device
-        drafts = torch.tensor([t for r in rows for t in (r.draft_token_ids or ())], dtype=torch.int64, device=dev)
-        if drafts.numel() and (int(drafts.min()) < 0 or int(drafts.max()) >= vocab):
+        flat = [t for r in rows for t in (r.draft_token_ids or ())]
+        if flat and (min(flat) < 0 or max(flat) >= vocab):  # checked on the host: no device sync
             raise ValueError(f"draft_token_ids must lie in [0, {vocab})")
+        drafts = torch.tensor(flat, dtype=torch.int64, device=dev)
         raw, logits = logits, prepare_logits(logits, rows)
         target = logits.argmax(dim=-1)
         rejection = [r.uses_rejection for r in rows]
@@ -152,7 +154,7 @@ class Sampler:
                 _draw_rejection_randoms(rows, num_drafts, rejection, uniforms, noise)
         is_greedy = torch.tensor([not x for x in rejection], dtype=torch.bool, device=dev)
         out = rejection_sample(target_probs, target, drafts, torch.tensor(num_drafts, dtype=torch.int64, device=dev),
-                               draft_probs, is_greedy, uniforms, noise)
+                               draft_probs, is_greedy, uniforms, noise, max_num_draft_tokens=max(num_drafts))
         token_ids = [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in out.tolist()]
         return SamplerOutput(token_ids=token_ids, logprobs=_logprobs(raw, rows, starts, token_ids))
 

@@ -9,10 +9,19 @@ split into GROUPS by query length, each planned on its own wrapper:
 
 * requests with ``q_len = L <= UNIFORM_MAX_Q_LEN`` (decodes, L = 1; (1 + k)-token verifies) go
   through a tensor-core ``BatchDecodeWithPagedKVCacheWrapper`` planned with ``q_len_per_req=L``
-  and ``disable_split_kv=True``. Tensor-core decode runs FlashInfer's *prefill* kernel with a
-  tile sized for exactly L rows; without a KV split, a row's arithmetic depends only on its own
-  request: not on its neighbours in a mixed batch, not on the batch size, not on whether the
-  step runs eagerly or as a CUDA-graph replay (the graph wrappers are planned the same way);
+  and ``disable_split_kv=True``. Tensor-core decode runs FlashInfer's *prefill* kernel with a CTA
+  tile chosen from the packed rows ``L * G`` (G = query heads per kv head): 16 rows up to 16,
+  64 up to 64, else 128. Without a KV split a row's arithmetic depends only on its own request
+  and its group's tile: not on its neighbours in a mixed batch, not on the batch size. So a
+  decode and a verify of the same position can differ (a GQA-4 decode packs 4 rows, tile 16; a
+  5-row verify 20, tile 64), and a CUDA-graph replay of a uniform bucket is planned exactly like
+  eager while a padded one (fewer drafts than the bucket's k) runs the bucket's tile;
+* deterministic mode (``deterministic=True``) plans EVERY uniform request with
+  ``L = DETERMINISTIC_Q_LEN`` (16) in one group, padding rows after its real ones (the planned
+  context grows by the padding, which keeps every real row's bottom-right causal limit; pages
+  past the table point at block 0 and are read by padding rows only): one tile for decodes,
+  verifies of any k and graph buckets (which plan with the same L), so decode = verify =
+  replay bitwise. Cost: a decode computes 16 rows per request (owed: a GPU measurement);
 * the rest (prefill chunks) go through one ``BatchPrefillWithPagedKVCacheWrapper``
   (``causal=True``, bottom-right aligned), split-KV as FlashInfer chooses unless
   ``deterministic=True``.
@@ -29,6 +38,11 @@ installed, else torch index_put); rows past ``num_tokens`` and slots -1 are not 
 
 State: the wrappers hold the plan, so metadata is valid until the next ``build_metadata`` on
 the same backend (checked through a generation counter). One backend instance per model.
+``plan()`` fills a wrapper's page-locked int buffer and copies it to the device asynchronously;
+the next step's ``plan()`` of the same wrapper must not rewrite it before that copy ran. The
+``torch.cuda.synchronize()`` that ends every CUDA step in ``ModelRunner.execute`` guarantees it
+(kept: the sampled tokens' host copy synchronises there anyway, so an event per wrapper would
+save nothing).
 
 Import-safe without flashinfer or CUDA: flashinfer is imported in ``__init__`` only, and a
 stand-in module with the same wrapper signatures may be passed instead (``flashinfer=``; the
@@ -94,9 +108,10 @@ class _Group:
     """Requests planned together on one wrapper."""
 
     wrapper: Any
-    q_len: int                    # L of a uniform group; 0 for the prefill group
+    q_len: int                    # planned L of a uniform group; 0 for the prefill group
     page_table: PageTable
     rows: torch.Tensor | None     # flat query rows of the group (None: all rows, in order)
+    dest: torch.Tensor | None = None  # padded group: the planned rows of ``rows`` (B * L in all)
 
 
 @dataclass(slots=True)
@@ -111,6 +126,10 @@ class FlashInferData:
 
 
 UNIFORM_MAX_Q_LEN = 16  # q_len up to this runs through tensor-core decode (q_len_per_req)
+# Deterministic mode plans every uniform request with this L (padding rows after the real ones):
+# the kernel's CTA tile comes from the packed rows L * G (16 | 64 | 128), so a decode and a
+# (1 + k)-row verify of a GQA-4 layout would otherwise run different tiles from k = 4 on.
+DETERMINISTIC_Q_LEN = UNIFORM_MAX_Q_LEN
 
 
 def eager_workspace_bytes(spec: AttentionSpec, num_sms: int) -> int:
@@ -123,6 +142,9 @@ def eager_workspace_bytes(spec: AttentionSpec, num_sms: int) -> int:
 
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
+    # attend() calls in this process, all instances: benches/gpu_check.py's proof that the
+    # FlashInfer kernels (or, in CPU tests, the stand-in) really ran in a section
+    attend_calls = 0
 
     def __init__(self, spec: AttentionSpec, device: torch.device | str = "cuda", *,
                  workspace_bytes: int | None = None, fa_backend: str = "fa2",
@@ -179,7 +201,8 @@ class FlashInferBackend(AttentionBackend):
         by_len: dict[int, list[int]] = {}
         for b in range(len(kv_lens)):
             q_len = qo_indptr[b + 1] - qo_indptr[b]
-            by_len.setdefault(q_len if q_len <= UNIFORM_MAX_Q_LEN else 0, []).append(b)
+            key = 0 if q_len > UNIFORM_MAX_Q_LEN else self.planned_q_len(q_len)
+            by_len.setdefault(key, []).append(b)
         groups = [self._group(key, reqs, qo_indptr, kv_lens, block_tables, len(by_len) == 1)
                   for key, reqs in sorted(by_len.items())]
         self.generation += 1
@@ -188,17 +211,34 @@ class FlashInferBackend(AttentionBackend):
         return AttentionMetadata(list(qo_indptr), list(kv_lens), block_tables, slots,
                                  num_tokens, data, self)
 
+    def planned_q_len(self, q_len: int) -> int:
+        """The L a uniform request of ``q_len`` rows is planned with: its own, or in deterministic
+        mode ``DETERMINISTIC_Q_LEN`` for every one (see the module docstring)."""
+        return DETERMINISTIC_Q_LEN if self.deterministic else q_len
+
     def _group(self, q_len: int, reqs: list[int], qo_indptr: list[int], kv_lens: list[int],
                block_tables: list[list[int]], whole: bool) -> _Group:
-        sub_qo, rows = [0], []
-        for b in reqs:
+        sub_qo, rows, dest, kv, tables = [0], [], [], [], []
+        bs = self.spec.block_size
+        padded = False
+        for i, b in enumerate(reqs):
+            n = qo_indptr[b + 1] - qo_indptr[b]
             rows.extend(range(qo_indptr[b], qo_indptr[b + 1]))
             sub_qo.append(len(rows))
-        pt = build_page_table(sub_qo, [kv_lens[b] for b in reqs], [block_tables[b] for b in reqs],
-                              self.spec.block_size)
+            pad = q_len - n if q_len else 0  # padding rows after the real ones (as in a graph)
+            padded |= pad > 0
+            dest.extend(range(i * q_len, i * q_len + n) if q_len else ())
+            kv.append(kv_lens[b] + pad)
+            need = -(-kv[-1] // bs)
+            tables.append(list(block_tables[b][:need]) + [0] * (need - len(block_tables[b])))
+        if padded:
+            sub_qo = list(range(0, len(reqs) * q_len + 1, q_len))
+        pt = build_page_table(sub_qo, kv, tables, bs)
         wrapper = self.uniform_wrapper(q_len) if q_len else self._prefill
-        row_t = None if whole else torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
-        return _Group(wrapper, q_len, pt, row_t)
+        def to_dev(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long).to(self.device, non_blocking=True)
+        row_t = None if whole and not padded else to_dev(rows)
+        return _Group(wrapper, q_len, pt, row_t, to_dev(dest) if padded else None)
 
     # ---- per layer ------------------------------------------------------------------------
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -211,6 +251,7 @@ class FlashInferBackend(AttentionBackend):
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor,
                metadata: AttentionMetadata) -> torch.Tensor:
         d: FlashInferData = metadata.backend_data
+        FlashInferBackend.attend_calls += 1
         if d.generation != d.owner.generation:
             raise RuntimeError("stale attention metadata: the wrapper was re-planned since "
                                "this metadata was built (one backend per model, one step at a time)")
@@ -223,7 +264,11 @@ class FlashInferBackend(AttentionBackend):
         if q.shape[0] > n:  # the model's row padding (pad_rows): zeros, no per-layer zero tensor
             out[n:].zero_()
         for g in d.groups:
-            if g.rows is None:
+            if g.dest is not None:  # deterministic mode: rows padded to the group's planned L
+                qp = q.new_zeros(g.page_table.kv_last_page_len.shape[0] * g.q_len, *q.shape[1:])
+                qp.index_copy_(0, g.dest, q.index_select(0, g.rows))
+                out.index_copy_(0, g.rows, g.wrapper.run(qp, kv_cache).index_select(0, g.dest))
+            elif g.rows is None:
                 g.wrapper.run(q[:n].contiguous(), kv_cache, out=out[:n])
             else:
                 out.index_copy_(0, g.rows, g.wrapper.run(q.index_select(0, g.rows), kv_cache))
@@ -238,9 +283,31 @@ class FlashInferBackend(AttentionBackend):
         return GraphAttentionState(self, batch_size, q_len, max_pages)
 
 
+def zero_int_workspaces(wrapper: Any) -> None:
+    """Zero a ``use_cuda_graph=True`` wrapper's int workspaces (device and page-locked host).
+
+    In graph mode FlashInfer launches a padded grid, ``max(2 * #SM / num_kv_heads, tiles)``
+    CTAs, but ``plan()`` writes scheduler entries (request, q-tile and kv-tile indices) for the
+    real tiles only; the padding CTAs read what the buffers held before. Both are ``torch.empty``
+    and torch's pinned-memory cache recycles earlier wrappers' buffers, so those entries were
+    wild request indices: illegal memory access or silent corruption (flashinfer issue #4002).
+    Zeroed once here, they stay zero (a bucket's real tile count never changes, so every plan
+    writes the same entries): a padding CTA recomputes request 0's first tile and writes the same
+    values again. The buffer names are 0.6.18.post1's (``flashinfer/decode.py``)."""
+    for name in ("_int_workspace_buffer", "_pin_memory_int_workspace_buffer"):
+        buf = getattr(wrapper, name, None)
+        if not isinstance(buf, torch.Tensor):
+            raise RuntimeError(f"flashinfer wrapper has no {name} (written against 0.6.18.post1): "
+                               "cannot zero the graph-mode scheduler padding")
+        buf.zero_()
+
+
 class GraphAttentionState:
     """A tensor-core decode wrapper in ``use_cuda_graph=True`` mode over fixed device buffers,
-    planned exactly like the eager uniform groups (``q_len_per_req=L``, no KV split).
+    planned like the eager uniform groups (``q_len_per_req=L``, no KV split; deterministic mode:
+    the backend's one ``L``). A step whose requests all have ``L`` rows is planned exactly like
+    eager; one with fewer rows somewhere runs ``L``'s tile, which the eager plan of its own
+    ``q_len`` may not (default mode only).
 
     Bucket: ``B = batch_size`` requests of ``L = q_len`` rows (``T = B * L``); request ``b``
     owns rows ``b*L .. b*L+L-1``. :meth:`prepare` takes a real batch of ``B' <= B`` requests
@@ -257,6 +324,7 @@ class GraphAttentionState:
             raise ValueError(f"bad graph bucket: batch_size={batch_size} q_len={q_len} "
                              f"max_pages={max_pages}")
         fi, dev = backend._fi, backend.device
+        q_len = backend.planned_q_len(q_len)  # deterministic mode: the eager groups' L
         self.backend, self.batch_size, self.q_len = backend, batch_size, q_len
         self.num_tokens = batch_size * q_len
         i32 = {"dtype": torch.int32, "device": dev}
@@ -270,6 +338,7 @@ class GraphAttentionState:
             backend.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
             paged_kv_indptr_buffer=self.kv_indptr, paged_kv_indices_buffer=self.kv_indices,
             paged_kv_last_page_len_buffer=self.kv_last_page_len, backend=backend.fa_backend)
+        zero_int_workspaces(self.wrapper)
         self.generation = 0
         self._data = FlashInferData([], 0, self, planned=True, row_pad=self.row_pad)
 
@@ -313,6 +382,7 @@ class GraphAttentionState:
 
 
 __all__ = [
+    "DETERMINISTIC_Q_LEN",
     "UNIFORM_MAX_Q_LEN",
     "FlashInferBackend",
     "FlashInferData",
@@ -321,4 +391,5 @@ __all__ = [
     "build_page_table",
     "eager_workspace_bytes",
     "flashinfer_refusal",
+    "zero_int_workspaces",
 ]

@@ -4,7 +4,9 @@ CPU: :class:`~kernels.attention.torch_ref.TorchRefBackend`. CUDA:
 ``kernels.attention.flashinfer_backend.FlashInferBackend`` unless FlashInfer refuses, and then
 the reference with the reason in the log line, never a start-up crash: a float32 KV cache,
 ``head_dim`` < 64, ``flashinfer`` not installed or failing to import (a missing CUDA library,
-a JIT/toolchain mismatch). ``TOKENBUDGET_ATTENTION_BACKEND=torch_ref`` forces the reference.
+a JIT/toolchain mismatch). ``TOKENBUDGET_ATTENTION_BACKEND=torch_ref`` forces the reference;
+``TOKENBUDGET_ATTENTION_BACKEND=flashinfer`` turns that fallback into a ``ValueError`` (what
+``benches/gpu_check.py --device cuda`` sets: a check that silently ran torch_ref proves nothing).
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ def select_attention_backend(device: torch.device | str, spec: AttentionSpec, *,
     why = "CPU"
     if forced == "torch_ref":
         why = "forced by TOKENBUDGET_ATTENTION_BACKEND"
-    elif device.type == "cuda":
+    elif forced not in ("", "flashinfer"):
+        raise ValueError(f"TOKENBUDGET_ATTENTION_BACKEND={forced!r}: expected torch_ref or flashinfer")
+    elif device.type == "cuda" or forced == "flashinfer":
         why = _flashinfer_refusal(spec, device)
         if not why:
             from tokenbudget.kernels.attention.flashinfer_backend import FlashInferBackend
@@ -55,6 +59,8 @@ def select_attention_backend(device: torch.device | str, spec: AttentionSpec, *,
                         " (deterministic)" if deterministic else "")
             return backend
         why = f"flashinfer refused: {why}"
+        if forced == "flashinfer":
+            raise ValueError(f"TOKENBUDGET_ATTENTION_BACKEND=flashinfer but {why}")
     backend = TorchRefBackend(spec, device)
     if attends_itself:
         logger.info("attention: %s on %s (%s only for the steps it does not take)", attends_itself, device,

@@ -11,9 +11,18 @@ invariant on this CPU (fp32: 92 of 96 rows of a chunk differ bitwise from the sa
 one at a time). So attention is written out with plain ``bmm`` calls whose shapes are made
 invariant:
 
-* query rows are padded to a multiple of 4 (MKL sgemm has three row paths: M=1 gemv, M in
-  {2,3}, M>=4; with 2 threads rows are split between threads, so M must also be a multiple of 4);
-  GQA groups the G query heads of a kv head into the M dimension: M = G * round_up(q_len, 4);
+* every GEMM has EXACTLY ``ROW_PAD`` = 4 rows: a BLAS picks its kernel (and so a row's
+  summation order) from the GEMM's row count M (MKL's optimized paths on this CPU have M=1 |
+  M in {2,3} | M >= 4; its portable path, ``MKL_CBWR=COMPATIBLE``, changes a row's bits for
+  every M; issue 26 saw an 8B-layout GQA-4 decode differ from its 5-row verify), so a
+  request's rows are cut into 4-row blocks and each block is its own GEMM (a batch entry of
+  ``bmm``: over the heads when the request has few blocks, over the blocks of one head through a
+  stride-0 expand of its keys when it has many). GQA groups the G query heads of a kv head into
+  the rows, position-major: M = round_up(G * q_len, 4). The one assumption left: a 4-row GEMM
+  gives a row the same bits at any of its 4 offsets (true of MKL's optimized and portable
+  paths, ``tests/test_attention_row_blocks.py``). Cost: a verify or a prefill chunk issues many
+  small GEMMs; a decode is one block as before (``benches/torch_ref_row_blocks.py``, figures in
+  benches/RESULTS.md; the quantized default model's C forward does not use this backend);
 * keys are padded to ``np``, a multiple of 256, and masked to -inf (MKL's narrow-N kernels,
   N < 8, differ; a score element is otherwise the same dot product whatever ``np``);
 * softmax weights are ``exp(s - rowmax)`` (max is order independent; masked weights are exact
@@ -30,8 +39,8 @@ Cost (the CPU decode path runs this 30 times a token on the default model): ever
 not depend on the layer is built once per step in :meth:`build_metadata` -- the flat cache rows
 of each request's keys, the additive causal mask (0 / -inf), zero-padded fp32 work buffers laid
 out ``[Hk, np, D]`` / ``[Hk, np, D + 1]`` with the ones column already set -- so a layer only
-gathers its keys and values into the buffers (the padding stays zero), scores with one
-``baddbmm`` (scale and mask folded in), and does max / exp / one P @ [V | 1] GEMM per key tile.
+gathers its keys and values into the buffers (the padding stays zero), scores in 4-row GEMMs
+(then scale and mask, elementwise), and does max / exp / the P @ [V | 1] GEMMs per key tile.
 The G query heads of a kv head share its GEMM rows position-major (``M = round_up(G * q_len,
 4)``), so a decode scores 4 rows, not 4 G. Tried and dropped: attending all one-token requests
 of a step in one batched GEMM set (bitwise the same rows, but no faster: the gather of the
@@ -189,16 +198,35 @@ class TorchRefBackend(AttentionBackend):
     def _rows(self, qg: torch.Tensor, k_t: torch.Tensor, v_tiles: torch.Tensor, bias: torch.Tensor,
               nt: int) -> torch.Tensor:
         """``qg [Hk, M, D]`` -> ``[Hk, M, D]``: softmax(scale q k^T + bias) @ V, the denominator from
-        the ones column of V (same GEMM), key tiles summed in order."""
+        the ones column of V (same GEMM), key tiles summed in order. Every GEMM has 4 rows."""
         hk, m, d = qg.shape
-        s = torch.baddbmm(bias, qg, k_t, alpha=self.spec.softmax_scale)    # [Hk, M, np]
+        s = _bmm_row_blocks(qg, k_t).mul_(self.spec.softmax_scale).add_(bias)   # [Hk, M, np]
         s = s.sub_(s.amax(-1, keepdim=True)).exp_()
         if nt == 1:
-            acc = torch.bmm(s, v_tiles)
+            acc = _bmm_row_blocks(s, v_tiles)
         else:
             pt = s.view(hk, m, nt, KEY_TILE).permute(0, 2, 1, 3).reshape(hk * nt, m, KEY_TILE)
-            o = torch.bmm(pt, v_tiles).view(hk, nt, m, d + 1)
+            o = _bmm_row_blocks(pt, v_tiles).view(hk, nt, m, d + 1)
             acc = o[:, 0]
             for t in range(1, nt):
                 acc = acc + o[:, t]
         return acc[..., :d] / acc[..., d:]
+
+
+def _bmm_row_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a [Bt, M, K] @ b [Bt, K, N]`` as GEMMs of exactly ``ROW_PAD`` rows each (M a multiple of
+    it), so a row's bits never depend on how many rows share its request: fewer Python-level calls
+    either way (one ``bmm`` per row block, batched over ``Bt``; or one per batch entry, its row
+    blocks batched over a stride-0 expand of ``b``)."""
+    bt, m, k = a.shape
+    n, nb = b.shape[-1], m // ROW_PAD
+    out = torch.empty(bt, m, n, dtype=a.dtype, device=a.device)
+    if nb <= bt:
+        for j in range(nb):
+            rows = slice(j * ROW_PAD, (j + 1) * ROW_PAD)
+            out[:, rows] = torch.bmm(a[:, rows], b)
+    else:
+        a = a.contiguous()
+        for i in range(bt):
+            out[i] = torch.bmm(a[i].view(nb, ROW_PAD, k), b[i].expand(nb, k, n)).view(m, n)
+    return out

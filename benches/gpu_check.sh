@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The documented GPU command (docs/cuda.md), from a fresh working tree, offline:
+#   bash benches/gpu_check.sh --device cuda --out benches/results/gpu_check
+# 1. installs the carried wheels (.whl/*.whl, see ../shared/gpu/RECIPE.md) and the project itself
+#    (editable: its folders map into tokenbudget.* only through pyproject's package-dir), with
+#    --no-index: nothing is fetched, a missing wheel fails here with pip's message;
+# 2. on --device cuda checks that tokenbudget and flashinfer import, and sets the FlashInfer JIT
+#    variables of the recipe unless already set;
+# 3. runs benches/gpu_check.py with the arguments given; its exit status is this script's.
+# PYTHON picks the interpreter (default python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py="${PYTHON:-python3}"
+shopt -s nullglob
+wheels=(.whl/*.whl)
+if (( ${#wheels[@]} )); then
+    "$py" -m pip install -q --no-index --no-deps --no-cache-dir "${wheels[@]}"
+fi
+"$py" -m pip install -q --no-index --no-deps --no-build-isolation -e .
+case " $* " in
+    *" --device cpu "*|*" --device=cpu "*)
+        "$py" -c "import tokenbudget" ;;
+    *)
+        export FLASHINFER_CUDA_ARCH_LIST="${FLASHINFER_CUDA_ARCH_LIST:-9.0a}"
+        export MAX_JOBS="${MAX_JOBS:-16}"
+        export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-/tmp/fiws}"
+        "$py" -c "import tokenbudget, flashinfer" ;;
+esac
+exec "$py" benches/gpu_check.py "$@"

@@ -1,0 +1,201 @@
+"""What one request may ask of the server: the limits, their defaults, and the checks.
+
+Threat model: anyone who can reach the port (docs/serving.md, "Security and limits"). Every
+limit here is a ``tokenbudget serve`` flag; a request past one is answered before it costs
+anything more than reading its body: 413 for the body, 400 naming the field and the flag for the
+rest. Each check is linear in the bytes received and needs no recursion, so no input can make a
+check itself the problem (a JSON value nested 100k deep is measured, not decoded).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import NamedTuple
+
+import msgspec
+import numpy as np
+
+
+class ServerLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """The server's limits (defaults in the field list; the flag is ``--`` + the name, dashed)."""
+
+    max_request_bytes: int = 4 << 20  # request body; past it: 413
+    max_prompt_tokens: int | None = None  # None: the engine's max_model_len
+    max_json_depth: int = 64  # nesting of any value in a body (message content parts, ...)
+    max_schema_bytes: int = 64 << 10  # response_format, as sent
+    max_schema_depth: int = 32  # nesting inside response_format (its JSON schema included)
+    max_n: int = 16
+    max_stop_strings: int = 16  # entries of stop
+    max_stop_string_chars: int = 256  # length of one stop string
+    max_logit_bias: int = 300  # entries of logit_bias (OpenAI's bound)
+
+    def __post_init__(self) -> None:
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            if value is None and name == "max_prompt_tokens":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a limit (``max_n`` -> ``--max-n``)."""
+    return "--" + name.replace("_", "-")
+
+
+class LimitError(ValueError):
+    """A request past a limit; ``param`` is the field (OpenAI's ``error.param``), ``status`` the
+    HTTP status (400, or 413 for the body)."""
+
+    def __init__(self, message: str, param: str | None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+# A JSON string (escapes included): its brackets are not structure.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_OPEN = np.zeros(256, dtype=np.int8)
+_OPEN[[ord("["), ord("{")]] = 1
+_OPEN[[ord("]"), ord("}")]] = -1
+
+
+def json_depth(raw: bytes) -> int:
+    """The nesting depth of one JSON text (``1`` for ``[]``, ``0`` for a number), without
+    decoding it: strings removed, then a running sum over the brackets."""
+    if b"[" not in raw and b"{" not in raw:
+        return 0
+    structure = _STRING.sub(b"", raw)
+    steps = _OPEN[np.frombuffer(structure, dtype=np.uint8)]
+    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
+
+
+def check_depth(body: bytes, limits: ServerLimits) -> None:
+    """The nesting depth of each top-level field of a body, measured on the raw JSON before
+    anything decodes it (decoders recurse: a value nested 100k deep must never reach one)."""
+    deepest = max(limits.max_json_depth, limits.max_schema_depth)
+    if json_depth(body) - 1 <= min(limits.max_json_depth, limits.max_schema_depth):
+        return
+    for name, depth in _field_depths(body, deepest + 1).items():
+        limit, which = ((limits.max_schema_depth, "max_schema_depth") if name == "response_format"
+                        else (limits.max_json_depth, "max_json_depth"))
+        if depth > limit:
+            raise LimitError(f"{name} is nested more than {flag(which)}={limit} levels deep", name)
+    raise LimitError(f"the request body is nested more than {flag('max_json_depth')}={limits.max_json_depth} "
+                     f"levels deep", None)
+
+
+def _field_depths(body: bytes, cap: int) -> dict[str, int]:
+    """Top-level field name -> nesting depth of its value (counted up to ``cap``), for a body that
+    is a JSON object; strings are kept short and bracket-free so only structure is counted."""
+    text = _STRING.sub(lambda m: b'"' + m.group(0)[1:-1][:64].translate(None, b'[]{}"\\') + b'"', body)
+    depth = np.cumsum(_OPEN[np.frombuffer(text, dtype=np.uint8)], dtype=np.int64)
+    keys = [m for m in _KEY.finditer(text) if m.start() > 0 and depth[m.start() - 1] == 1]  # the top level's
+    result: dict[str, int] = {}
+    for m, after in zip(keys, keys[1:] + [None]):
+        span = depth[m.end():after.start() if after is not None else len(depth)]
+        name = m.group(1).decode("utf-8", "replace")
+        result[name] = min(max(int(span.max(initial=1)) - 1, 0), cap)
+    return result
+
+
+_KEY = re.compile(rb'"([^"]*)"\s*:')
+
+
+def check_counts(req, limits: ServerLimits) -> None:
+    """``n``, ``stop``, ``logit_bias`` and the schema's size, of a decoded body."""
+    response_format = getattr(req, "response_format", None)
+    if response_format is not None:
+        size = len(msgspec.json.encode(response_format))
+        if size > limits.max_schema_bytes:
+            raise LimitError(f"response_format is {size} bytes, more than {flag('max_schema_bytes')}="
+                             f"{limits.max_schema_bytes}", "response_format")
+    if req.n is not None and req.n > limits.max_n:
+        raise LimitError(f"n={req.n} is more than {flag('max_n')}={limits.max_n}", "n")
+    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stop) > limits.max_stop_strings:
+        raise LimitError(f"stop has {len(stop)} strings, more than {flag('max_stop_strings')}="
+                         f"{limits.max_stop_strings}", "stop")
+    if any(len(s) > limits.max_stop_string_chars for s in stop):
+        raise LimitError(f"a stop string is longer than {flag('max_stop_string_chars')}="
+                         f"{limits.max_stop_string_chars} characters", "stop")
+    if req.logit_bias and len(req.logit_bias) > limits.max_logit_bias:
+        raise LimitError(f"logit_bias has {len(req.logit_bias)} entries, more than {flag('max_logit_bias')}="
+                         f"{limits.max_logit_bias}", "logit_bias")
+
+
+class ByteBound(NamedTuple):
+    """A certain lower bound on a text's token count from its bytes alone (``prompt_byte_bound``)."""
+
+    bytes_per_token: int  # the most UTF-8 bytes of text one token stands for
+    dropped: bytes  # byte values the tokenizer has no symbol for: it drops them, so they count for nothing
+
+    def min_tokens(self, data: bytes) -> int:
+        counted = len(data) - sum(data.count(bytes((b,))) for b in self.dropped)
+        return -(-counted // self.bytes_per_token)
+
+
+def prompt_byte_bound(tokenizer) -> ByteBound | None:
+    """The bound, when it is certain for this tokenizer; None otherwise.
+
+    The rule behind refusing a prompt before tokenizing: if the tokenization loses no text except
+    bytes it has no symbol for, and every token decodes to at most L bytes, then a text of B
+    counted bytes needs at least B / L tokens. That holds for byte-level BPE without a normalizer
+    (each byte has a symbol in the alphabet, or is dropped when the vocabulary lacks it: the
+    default model's lacks a few control bytes) and for byte-fallback models with all 256 byte
+    tokens and a normalizer that never deletes text. For any other tokenizer (an ``<unk>`` can
+    stand for a whole run of characters) there is no such bound: the prompt is tokenized (off the
+    event loop) and counted. Decoding a token alone over-counts partial UTF-8 (a lone byte decodes
+    to 3), which only makes L larger: the bound stays safe.
+    """
+    backend = tokenizer.backend
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    vocab = model.get("vocab") if isinstance(model.get("vocab"), dict) else None
+    if vocab is None or not _only_adds(spec.get("normalizer")):
+        return None
+    if _has(spec.get("pre_tokenizer"), "ByteLevel") and spec.get("normalizer") is None:
+        symbols = _byte_level_symbols()
+        dropped = bytes(b for b in range(256) if symbols[b] not in vocab)
+    elif model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256)):
+        dropped = b""
+    else:
+        return None
+    texts = backend.decode_batch([[i] for i in range(backend.get_vocab_size(with_added_tokens=True))],
+                                 skip_special_tokens=False)
+    return ByteBound(max(4, max(len(t.encode("utf-8")) for t in texts)), dropped)
+
+
+def _byte_level_symbols() -> list[str]:
+    """GPT-2's byte-level alphabet: the symbol of each byte value (printable bytes as themselves,
+    the others shifted past 255 in order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    symbols, shift = {}, 0
+    for b in range(256):
+        if b in printable:
+            symbols[b] = chr(b)
+        else:
+            symbols[b] = chr(256 + shift)
+            shift += 1
+    return [symbols[b] for b in range(256)]
+
+
+def _has(component, kind: str) -> bool:
+    if not component:
+        return False
+    if component.get("type") == kind:
+        return True
+    return any(_has(c, kind) for c in component.get("pretokenizers") or component.get("normalizers") or [])
+
+
+def _only_adds(normalizer) -> bool:
+    """A normalizer that never deletes text: none, Prepend, or Replace with a non-empty content."""
+    if not normalizer:
+        return True
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        return all(_only_adds(n) for n in normalizer.get("normalizers") or [])
+    if kind == "Prepend":
+        return True
+    return kind == "Replace" and bool(normalizer.get("content"))
