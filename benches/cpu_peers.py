@@ -32,6 +32,13 @@ Batch throughput (``--batch-prompts``, 0 skips it): that many prompts cycled fro
 in left-padded batches of that size, llama.cpp one prompt after another (llama-cpp-python has no
 batched generate). Output tok/s = all generated tokens / wall seconds.
 
+Kernel variants (``--variants avx2 scalar 0 ...``): one more tokenbudget plain mode per C kernel
+variant (kernels/cpu/native.py), labelled ``tokenbudget [avx2]``: the same engine and packed
+weights as ``tokenbudget-plain``, with ``TOKENBUDGET_NATIVE`` set to the variant around each of
+its calls (the library is picked per call); ``0`` builds a second engine on torch's kernels. Run
+llama.cpp from a llama-cpp-python built for the instruction set compared against (RESULTS.md says
+how it was built).
+
 The process holds three engines at once, so its RSS says nothing about any of them: not reported.
 """
 
@@ -43,6 +50,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as tokenbudget/__init__ does, before torch loads libgomp
 
 import torch  # noqa: E402
 
@@ -78,6 +86,9 @@ def parse_args(argv):
     ap.add_argument("--batch-max-new-tokens", type=int, default=64)
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 1 prompt per workload, 16 new tokens, 8 batch prompts at max batch 1 and 8")
+    ap.add_argument("--variants", nargs="*", default=[],
+                    help="C kernel variants to add as tokenbudget plain modes (avx512_vnni, avx_vnni, avx2, "
+                         "neon, scalar; 0 = torch's kernels)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", action="store_true", help=f"write '## {TITLE}' into benches/RESULTS.md")
     args = ap.parse_args(argv)
@@ -122,11 +133,21 @@ def main(argv=None) -> dict:
             runners[m] = pe.llama_runner(m, model_path, args.threads, n_ctx)
         else:
             runners[m] = hf.runner(m)
+    for variant in args.variants:
+        mode = f"tokenbudget-plain@{variant}"
+        base = tb_plain
+        if variant == "0":
+            with pe.native_variant("0"):
+                base = pe.TokenbudgetEngine("tokenbudget-plain", args.threads)
+        runners[mode] = pe.VariantRunner(base, variant)
+        modes.append(mode)
     print(f"loaded {len(runners)} modes in {time.perf_counter() - t0:.0f}s; {len(prompts)} prompts "
           f"(lengths {[len(p) for _, p in prompts]})", flush=True)
 
     runs = run_interleaved(runners, prompts, args)
-    result = {"machine": machine, "versions": versions(),
+    from tokenbudget.kernels.cpu import native
+    kernels = f"C {native.selected_variant()}" if native.selected_variant() else "torch's kernels"
+    result = {"machine": machine, "versions": versions(), "kernels": kernels,
               "args": vars(args), "command": command(argv), "skipped": skipped, "model_path": model_path,
               "workloads": list(WORKLOADS), "prompt_tokens": [len(p) for _, p in prompts],
               **summarise(modes, runs, args), "batch": None}
@@ -191,12 +212,12 @@ def summarise(modes: list[str], runs: dict[str, list[dict]], args) -> dict:
     for m in modes:
         ratio = {w: tok_s[m][w] / ref[w] if ref else float("nan") for w in WORKLOADS}
         eq = equal_to_plain(m, runs)
-        rows.append([pe.LABELS[m], *(tok_s[m][w] for w in WORKLOADS), *(ratio[w] for w in WORKLOADS),
+        rows.append([pe.label(m), *(tok_s[m][w] for w in WORKLOADS), *(ratio[w] for w in WORKLOADS),
                      f"{eq[0]}/{eq[1]}" if eq else "–"])
-        if eq and eq[0] < eq[1] and pe.engine_of(m) == "tokenbudget":
+        if eq and eq[0] < eq[1] and pe.engine_of(m) == "tokenbudget" and "@" not in m:
             warnings.append(f"{m} differs from tokenbudget plain on {eq[1] - eq[0]} of {eq[1]} prompts: "
                             "speculative output must equal plain decoding (project invariant broken)")
-        out[m] = {"label": pe.LABELS[m], "tok_s": tok_s[m], "vs_llamacpp_plain": ratio if ref else None,
+        out[m] = {"label": pe.label(m), "tok_s": tok_s[m], "vs_llamacpp_plain": ratio if ref else None,
                   "equal_to_plain": list(eq) if eq else None, "runs": runs[m]}
     headers = ["engine, mode", *(f"{w} tok/s" for w in WORKLOADS), *(f"{w} / llama.cpp" for w in WORKLOADS),
                "= plain"]
@@ -296,7 +317,8 @@ def markdown(res: dict) -> str:
     text = (f"`{res['command']}` ({time.strftime('%Y-%m-%d')}; {m['cpus']}-core {m['cpu']}, load average "
             f"{m['loadavg_at_start'][0]:.1f} at the start, {m['load_at_end'][0]:.1f} at the end (per-run loads in "
             f"the JSON); {a['threads']} threads each; torch {v['torch']}, "
-            f"transformers {v['transformers']}, llama-cpp-python {v['llama-cpp-python']}). SmolLM2-135M-Instruct, the "
+            f"transformers {v['transformers']}, llama-cpp-python {v['llama-cpp-python']}; tokenbudget's kernels: "
+            f"{res.get('kernels', '?')}). SmolLM2-135M-Instruct, the "
             f"same Q4_1 GGUF for tokenbudget (default options: `quantization=\"auto\"` = int4) and llama.cpp, "
             f"fp32 weights for transformers; the same chat-templated prompt ids; greedy, batch 1, "
             f"{a['max_new_tokens']} new tokens with EOS ignored. tok/s = generated tokens / wall seconds, prefill "

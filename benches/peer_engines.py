@@ -21,6 +21,8 @@ whose ``total_s`` includes prefill. Modes (``MODES``, in table order):
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -47,6 +49,39 @@ LABELS = {
 }
 
 Runner = Callable[[Sequence[list[int]], int], GenTiming]
+
+
+def label(mode: str) -> str:
+    """The table label of a mode; ``tokenbudget-plain@avx2`` (a kernel variant): ``tokenbudget [avx2]``."""
+    if "@" in mode:
+        variant = mode.split("@", 1)[1]
+        return f"tokenbudget [{'torch kernels' if variant == '0' else variant}]"
+    return LABELS[mode]
+
+
+@contextlib.contextmanager
+def native_variant(variant: str):
+    """``TOKENBUDGET_NATIVE=variant`` inside the block, the old value after."""
+    old = os.environ.get("TOKENBUDGET_NATIVE")
+    os.environ["TOKENBUDGET_NATIVE"] = variant
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TOKENBUDGET_NATIVE", None)
+        else:
+            os.environ["TOKENBUDGET_NATIVE"] = old
+
+
+class VariantRunner:
+    """A tokenbudget runner called with ``TOKENBUDGET_NATIVE=variant`` (the C library is chosen per call)."""
+
+    def __init__(self, engine: TokenbudgetEngine, variant: str) -> None:
+        self.engine, self.variant, self.llm = engine, variant, engine.llm
+
+    def __call__(self, prompts: Sequence[list[int]], n: int) -> GenTiming:
+        with native_variant(self.variant):
+            return self.engine(prompts, n)
 
 
 def engine_of(mode: str) -> str:

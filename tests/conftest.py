@@ -7,46 +7,46 @@ thing. So a broken install (an ``importorskip`` of a ``test``-extra package), a 
 a default model that cannot be loaded turns CI red instead of quietly shrinking the suite.
 ``tests/test_ci_skips.py`` checks this hook on synthetic test files.
 
-Also here: ``c_kernels`` (the C kernels of ``kernels/cpu``, or a skip naming the missing CPU
-flag or compiler; a failed build is a failure).
+Also here: ``c_kernels`` (the C kernels of ``kernels/cpu`` in the variant this CPU runs by
+default, or a skip naming the missing instructions or compiler; a failed build is a failure).
+A C kernel variant's skip says ``CPU lacks ... (C kernel variant NAME)`` (tests/native_variants.py):
+allowed in CI only where ``kernels.cpu.native.missing(NAME)`` confirms it.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
+import re
 
 import pytest
 
+from tokenbudget.kernels.cpu.native import VARIANTS
 
-def _no_cuda() -> bool:
+
+def _no_cuda(reason: str) -> bool:
     import torch
     return not torch.cuda.is_available()
 
 
-def _no_flashinfer() -> bool:
+def _no_flashinfer(reason: str) -> bool:
     return importlib.util.find_spec("flashinfer") is None
 
 
-def _missing_cpu_flags() -> list[str]:
-    """The AVX-512 VNNI (and companion) flags the C kernels need that this CPU lacks."""
-    from tokenbudget.kernels.cpu.native import CPU_FLAGS
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return ["/proc/cpuinfo unreadable"]
-    return [flag for flag in CPU_FLAGS if flag not in flags]
+def _variant_missing(reason: str) -> bool:
+    """The skipped C kernel variant (named in the reason) really cannot run on this CPU."""
+    from tokenbudget.kernels.cpu import native
+    found = re.search(r"\(C kernel variant (\w+)\)", reason)
+    return found is not None and found.group(1) in native.BY_NAME and bool(native.missing(found.group(1)))
 
 
-# reason prefix -> (why CI may skip it, a check that this machine really lacks the thing)
+# reason prefix -> (why CI may skip it, a check, given the reason, that this machine really lacks the thing)
 CI_ALLOWED_SKIPS = {
     "needs a CUDA GPU": ("CI runs on a CPU-only machine", _no_cuda),
     "flashinfer is not installed": ("FlashInfer is the `cuda` extra (GPU only); CI installs `.[test]`",
                                     _no_flashinfer),
-    "CPU lacks": ("the C kernels need AVX-512 VNNI; without it the engine runs torch's kernels, which the "
-                  "rest of the suite covers", lambda: bool(_missing_cpu_flags())),
+    "CPU lacks": ("a C kernel variant for other instructions (NEON on x86: tests/test_neon_qemu.py runs it "
+                  "under qemu); the CPU's own variants and scalar always run", _variant_missing),
 }
 
 
@@ -66,7 +66,7 @@ def _forbidden_in_ci(report) -> str | None:
         return None
     reason = _skip_reason(report)
     for prefix, (_why, machine_lacks_it) in CI_ALLOWED_SKIPS.items():
-        if reason.startswith(prefix) and machine_lacks_it():
+        if reason.startswith(prefix) and machine_lacks_it(reason):
             return None
     return (f"CI=true: skip of something this machine can run ({reason!r}); only these may skip in CI, "
             f"and only where the machine lacks them: {sorted(CI_ALLOWED_SKIPS)} (tests/conftest.py)")
@@ -93,26 +93,30 @@ def pytest_make_collect_report(collector):
 
 @pytest.fixture(scope="session")
 def c_kernels():
-    """The loaded C kernel library of ``kernels/cpu``.
+    """The loaded C kernel library of ``kernels/cpu``, in the variant the engine picks here.
 
-    Skips naming the missing thing (CPU flags, a C compiler, ``TOKENBUDGET_NATIVE=0``) where the
-    kernels cannot run; where they can, a ``None`` from ``library()`` means the build failed, and
-    that is a failure carrying the compiler's error.
+    Skips naming the missing thing (the instructions of a SIMD variant, a C compiler,
+    ``TOKENBUDGET_NATIVE=0``) where the kernels cannot run; where they can, a failed build is a
+    failure carrying the compiler's error.
     """
     from tokenbudget.kernels.cpu import native
     if os.environ.get("TOKENBUDGET_NATIVE", "1") == "0":
         pytest.skip("TOKENBUDGET_NATIVE=0 turns the C kernels off")
-    missing = _missing_cpu_flags()
-    if missing:
-        pytest.skip(f"CPU lacks {', '.join(missing)} (the C kernels need AVX-512 VNNI)")
-    cc = native._compiler()
-    if cc is None:
-        pytest.skip("no C compiler ($CC, cc or gcc) on PATH")
-    lib = native.library()
+    variant = native.selected_variant()
+    if variant is None:  # only scalar runs here, and the engine keeps torch's kernels then
+        pytest.skip(f"CPU lacks {', '.join(native.missing('avx2'))} (C kernel variant avx2)")
+    if native._compiler() is None:
+        pytest.skip("no C compiler ($CC, cc, gcc or clang) on PATH")
+    lib = native.load(variant)
     if lib is None:
-        try:
-            native._build(cc)
-        except (OSError, subprocess.CalledProcessError) as e:
-            pytest.fail(f"the C kernels failed to build with {cc}: {getattr(e, 'stderr', '') or e}")
-        pytest.fail(f"the C kernels built with {cc} but native.library() returned None")
+        pytest.fail(f"the C kernels ({variant}) failed to build: {native.build_error(variant)}")
     return lib
+
+
+@pytest.fixture(params=[v.name for v in VARIANTS])
+def variant(request, monkeypatch) -> str:
+    """Each C kernel variant in turn, selected for the test (tests/native_variants.py): skipped
+    naming the missing instructions where the CPU cannot run it, a failed build fails in CI."""
+    from native_variants import use_variant
+    use_variant(request.param, monkeypatch)
+    return request.param

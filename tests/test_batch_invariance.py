@@ -28,31 +28,30 @@ from tokenbudget.engine.model.cpu_forward import CpuForwardModel
 from tokenbudget.engine.model.quant import quantize_model
 
 from batch_schedules import CFG, SCHEDULES, random_state_dict, run_schedule
+from native_variants import VARIANTS, use_variant
 
 
-@pytest.fixture(params=["c", "torch"])
+@pytest.fixture
 def quant_kernel(request, monkeypatch):
-    """``c``: the C kernels and forward (kernels/cpu; conftest's ``c_kernels`` skips naming the
-    missing CPU flag or compiler, so a machine without them never runs the torch case twice);
-    ``torch``: torch's weight-only kernels and the torch forward, as on a machine without AVX-512 VNNI."""
-    if request.param == "c":
-        request.getfixturevalue("c_kernels")
-        from tokenbudget.kernels.cpu import quant_gemm
-        assert quant_gemm.supports(CFG.hidden_size) and quant_gemm.supports(CFG.intermediate_size)
-    else:
+    """A C kernel variant (kernels/cpu; each one this CPU executes, tests/native_variants.py) with
+    the C forward, or ``torch``: torch's weight-only kernels and the torch forward, as where no C
+    variant runs."""
+    if request.param == "torch":
         monkeypatch.setattr("tokenbudget.kernels.cpu.quant_gemm.supports", lambda in_features: False)
+    else:
+        use_variant(request.param, monkeypatch)
     return request.param
 
 
 def _assert_runs_on(model, quantization: str, quant_kernel: str) -> None:
-    """The quantized model takes the path the case names (the one-call C forward iff ``c``)."""
+    """The quantized model takes the path the case names (the one-call C forward iff a C variant)."""
     if quantization != "none":
-        assert isinstance(model, CpuForwardModel) == (quant_kernel == "c"), (quantization, quant_kernel)
+        assert isinstance(model, CpuForwardModel) == (quant_kernel != "torch"), (quantization, quant_kernel)
 
 
-# An unquantized model involves no quantized kernel: its cases run once (``torch``), not twice.
+# An unquantized model involves no quantized kernel: its cases run once (``torch``).
 KERNEL_CASES = [(torch.float32, "none", "torch"), (torch.bfloat16, "none", "torch")] + [
-    (torch.float32, q, k) for q in ("int8", "int4") for k in ("c", "torch")]
+    (torch.float32, q, k) for q in ("int8", "int4") for k in (*VARIANTS, "torch")]
 
 
 @pytest.mark.parametrize("dtype,quantization,quant_kernel", KERNEL_CASES, indirect=["quant_kernel"])

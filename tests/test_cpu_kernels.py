@@ -1,12 +1,14 @@
-"""The C kernels of ``kernels/cpu`` (AVX-512 VNNI weight-only GEMMs, the one-call decoder forward).
+"""The C kernels of ``kernels/cpu`` (weight-only GEMMs, the one-call decoder forward), every variant.
 
 Checked against torch references built from what the kernels multiply (``dequantize`` of the
 weight, the kernels' own activation quantization): the GEMMs to fp32 rounding, every output row
 bitwise equal alone and inside any row count, at 1 and 2 threads; the C forward against the torch
 forward of the same quantized model, and bitwise invariant across schedules (prefill whole, in
-chunks next to other requests, one token at a time). Every test takes conftest's ``c_kernels``:
-skipped only where the kernels cannot run (the skip names the missing CPU flag or compiler; the
-engine then keeps torch's kernels, which the rest of the suite covers); a failed build fails.
+chunks next to other requests, one token at a time). Each test runs once per kernel variant this
+CPU can execute (``variant``, tests/native_variants.py: AVX-512 VNNI, AVX-VNNI, AVX2, NEON, and
+``scalar`` everywhere); the others skip naming the missing instructions. The NEON variant runs on
+x86 under qemu (tests/test_neon_qemu.py). The variants compute the same IEEE operations
+(quant_gemm.c's float rule): their outputs are compared bitwise with ``scalar``'s.
 """
 
 from __future__ import annotations
@@ -22,8 +24,7 @@ from tokenbudget.engine.model.quant import QuantLinear, quantize_model
 from tokenbudget.kernels.cpu import quant_gemm as cg
 
 import batch_schedules as tbi
-
-pytestmark = pytest.mark.usefixtures("c_kernels")
+from native_variants import use_variant
 
 # Every linear's in_features a multiple of 32 and head_dim of 16: the C forward takes the model.
 CFG64 = ModelConfig(vocab_size=101, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
@@ -47,7 +48,7 @@ def _q8(w: torch.Tensor) -> cg.Q8Weight:
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
 @pytest.mark.parametrize("n,k", [(96, 64), (960, 576), (576, 1536), (37, 96), (5, 32)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_gemm_matches_reference_and_rows_are_invariant(fmt, n, k, threads):
+def test_gemm_matches_reference_and_rows_are_invariant(variant, fmt, n, k, threads):
     g = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=g) * 0.05
     weight, gemm = (_q4(w), cg.gemm_q4) if fmt == "q4" else (_q8(w), cg.gemm_q8)
@@ -71,7 +72,7 @@ def test_gemm_matches_reference_and_rows_are_invariant(fmt, n, k, threads):
         assert torch.equal(r, y)
 
 
-def test_activation_quantization_is_q8_per_group_of_32():
+def test_activation_quantization_is_q8_per_group_of_32(variant):
     x = torch.randn(3, 128)
     q, d = cg.quantize_activations(x)
     amax = x.reshape(3, 4, 32).abs().amax(-1)
@@ -80,14 +81,14 @@ def test_activation_quantization_is_q8_per_group_of_32():
     assert torch.equal(q.float(), want)
 
 
-def test_q4_weight_keeps_gguf_q4_1_codes():
+def test_q4_weight_keeps_gguf_q4_1_codes(variant):
     w = torch.randn(64, 128) * 0.1
     weight = _q4(w)
     assert weight.packed.shape == (4, 4, 320) and weight.nbytes() == 64 * 128 * 5 // 8  # GGUF Q4_1's 5 bits
     assert (weight.dequantize() - w).abs().max() <= weight.scales_and_mins()[0].max() * 0.51
 
 
-def test_quant_linear_picks_the_c_kernels_where_they_run():
+def test_quant_linear_picks_the_c_kernels_where_they_run(variant):
     w = torch.randn(96, 128)
     assert QuantLinear.from_float(w, "int4").kernel == "native"
     assert QuantLinear.from_float(w, "int4", kernel="torch").kernel == "torch"
@@ -106,7 +107,7 @@ def cfg64(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_c_forward_matches_the_torch_forward(cfg64, mode):
+def test_c_forward_matches_the_torch_forward(variant, cfg64, mode):
     model = _model(mode)
     assert model.cpu_forward is not None
     rng = random.Random(1)
@@ -122,7 +123,7 @@ def test_c_forward_matches_the_torch_forward(cfg64, mode):
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_c_forward_is_batch_invariant(cfg64, mode):
+def test_c_forward_is_batch_invariant(variant, cfg64, mode):
     model = _model(mode, seed=2)
     rng = random.Random(3)
     seqs = [[rng.randrange(CFG64.vocab_size) for _ in range(n)] for n in (3, 37, 70, 290)]
@@ -134,7 +135,7 @@ def test_c_forward_is_batch_invariant(cfg64, mode):
             assert not diff, f"{mode} schedule {name!r}, seq {s}: positions {diff[:10]} differ"
 
 
-def test_c_forward_refuses_out_of_range_indices(cfg64):
+def test_c_forward_refuses_out_of_range_indices(variant, cfg64):
     """The C forward indexes raw memory: bad positions or slots raise IndexError (as torch's
     indexing does on the torch path) and leave the cache untouched."""
     from tokenbudget.engine.worker.kv_cache_alloc import allocate_kv_caches
@@ -160,3 +161,28 @@ def test_c_forward_refuses_out_of_range_indices(cfg64):
     with pytest.raises(IndexError, match="slots"):
         model(ids, pos, md, runner.kv_caches)
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches))
+
+
+def test_variant_gemms_equal_the_scalar_ones_bitwise(variant, monkeypatch):
+    """Every variant follows quant_gemm.c's one float rule (no FMA, exact integer dot products), so
+    its GEMMs give the scalar fallback's bits: a kernel that drifts from the rule shows here."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(200, 320, generator=g) * 0.05
+    x = torch.randn(11, 320, generator=g)
+    got = [cg.gemm_q4(x, _q4(w)), cg.gemm_q8(x, _q8(w))]
+    use_variant("scalar", monkeypatch)
+    want = [cg.gemm_q4(x, _q4(w)), cg.gemm_q8(x, _q8(w))]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_variant_c_forward_equals_the_scalar_one_bitwise(variant, cfg64, mode, monkeypatch):
+    model = _model(mode, seed=5)
+    rng = random.Random(6)
+    seqs = [[rng.randrange(CFG64.vocab_size) for _ in range(n)] for n in (5, 40)]
+    got = tbi.run_schedule(model, seqs, tbi.SCHEDULES["whole"], torch.float32, 0)
+    use_variant("scalar", monkeypatch)
+    want = tbi.run_schedule(model, seqs, tbi.SCHEDULES["whole"], torch.float32, 0)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

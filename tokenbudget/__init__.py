@@ -12,12 +12,21 @@ layer first: ``tokenbudget.api`` (options, outputs, errors), ``tokenbudget.kv_ca
 ``tokenbudget.cli``. docs/DESIGN.md draws the layers and maps import paths to folders.
 """
 
-from tokenbudget.api.config import EngineConfig
-from tokenbudget.api.errors import EngineDeadError, EngineOverloadedError, RequestError
-from tokenbudget.api.outputs import CompletionOutput, GenerateRequest, Logprob, RequestMetrics, RequestOutput
-from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
-from tokenbudget.api.structured_params import StructuredOutputsParams
-from tokenbudget.engine.core.stats import EngineStats
+import os
+
+# Before anything loads torch (and with it libgomp, which reads this once): OpenMP threads - torch's
+# and the C kernels', one runtime - sleep when they wait instead of spinning. On a busy machine a
+# spinning team member takes the core the working thread needs: batch-1 decode at 2 threads fell to
+# 6-15 tok/s beside other processes, 54-199 with passive waiting, 56-67 at 1 thread (benches/RESULTS.md,
+# "Threads under contention"). An OMP_WAIT_POLICY already set is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from tokenbudget.api.config import EngineConfig  # noqa: E402
+from tokenbudget.api.errors import EngineDeadError, EngineOverloadedError, RequestError  # noqa: E402
+from tokenbudget.api.outputs import CompletionOutput, GenerateRequest, Logprob, RequestMetrics, RequestOutput  # noqa: E402
+from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+from tokenbudget.api.structured_params import StructuredOutputsParams  # noqa: E402
+from tokenbudget.engine.core.stats import EngineStats  # noqa: E402
 
 _LAZY = {  # heavy (torch, model code): imported on first use
     "LLM": "tokenbudget.engine.entrypoints.llm",

@@ -17,6 +17,7 @@ from tokenbudget.engine.core.engine_core import EngineCore
 from tokenbudget.engine.core.output_processor import OutputProcessor
 from tokenbudget.engine.loader.target import TargetModel, load_target_model
 from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.engine.model.cpu_forward import kernels_summary
 from tokenbudget.engine.structured.manager import StructuredOutputs
 from tokenbudget.engine.worker.host_memory import resident_memory_bytes
 from tokenbudget.engine.worker.kv_cache_alloc import (
@@ -98,9 +99,11 @@ def wire_engine(config: EngineConfig, target: TargetModel, spec_config: Speculat
     gc.collect()
     gc.freeze()  # start-up objects (weights' Python wrappers, tokenizer) leave the GC's scans
     rss = resident_memory_bytes()
-    logger.info("tokenbudget: %s on %s (%s, quantization=%s, %d threads), max_model_len=%d, %d KV blocks of %d tokens "
-                "(%.2f GiB), speculation=%s, RSS %s", target.source, device, str(dtype).removeprefix("torch."),
-                target.quantization, threads, max_model_len, num_blocks, config.block_size, kv_bytes / 2**30,
+    kernels = kernels_summary(model) if device.type == "cpu" else device.type
+    logger.info("tokenbudget: %s on %s (%s, quantization=%s, kernels: %s, %d threads), max_model_len=%d, %d KV "
+                "blocks of %d tokens (%.2f GiB), speculation=%s, RSS %s", target.source, device,
+                str(dtype).removeprefix("torch."), target.quantization, kernels, threads, max_model_len, num_blocks,
+                config.block_size, kv_bytes / 2**30,
                 spec_config.method if spec_config else "off", f"{rss / 2**30:.2f} GiB" if rss else "n/a")
     return WiredEngine(core, target, spec_config)
 

@@ -23,6 +23,7 @@ import torch
 
 from tokenbudget.engine.model.layers import rms_norm
 from tokenbudget.kernels.attention.base import AttentionMetadata
+from tokenbudget.kernels.cpu import native
 from tokenbudget.kernels.cpu.decoder_forward import TbForward, TbLayer, TbLinear, tb_forward
 from tokenbudget.kernels.cpu.native import library
 
@@ -34,6 +35,26 @@ def _linear(lin) -> TbLinear:
     scales = getattr(w, "s", None)
     return TbLinear(_FMT[lin.mode], w.packed.data_ptr(), 0 if scales is None else scales.data_ptr(),
                     0 if lin.bias is None else lin.bias.data_ptr())
+
+
+def c_forward_name(model) -> str:
+    """``the C decoder forward (avx2)`` where ``model`` runs one, else "" (the attention log line)."""
+    if getattr(model, "cpu_forward", None) is None:
+        return ""
+    return f"the C decoder forward ({native.selected_variant()})"
+
+
+def kernels_summary(model) -> str:
+    """What runs the model's layers on the CPU, for the start-up line: the C kernel variant and
+    whether the whole decoder forward is C, or torch's kernels and why."""
+    if getattr(model, "cpu_forward", None) is not None:
+        return f"C {native.selected_variant()} (GEMMs and the decoder forward)"
+    if getattr(model, "quantization", "none") == "none":
+        return "torch"
+    lm_head = getattr(model, "lm_head", None)
+    if getattr(lm_head, "native", None) is not None:
+        return f"C {native.selected_variant()} GEMMs, torch forward"
+    return f"torch's quantized kernels ({native.unavailable_reason() or 'shapes the C kernels do not take'})"
 
 
 class CpuForwardModel:

@@ -20,6 +20,7 @@ import logging
 import torch
 
 from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.engine.model.cpu_forward import c_forward_name
 from tokenbudget.engine.structured.bitmask import apply_bitmask
 from tokenbudget.engine.worker.input_batch import InputBatch, prepare_inputs
 from tokenbudget.engine.worker.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
@@ -53,7 +54,8 @@ class ModelRunner:
             spec = AttentionSpec(config.num_attention_heads, config.num_key_value_heads,
                                  config.resolved_head_dim, block_size,
                                  kv_caches[0].dtype if kv_caches else torch.float32)
-            attn_backend = select_attention_backend(self.device, spec, deterministic=deterministic)
+            attn_backend = select_attention_backend(self.device, spec, deterministic=deterministic,
+                                                    attends_itself=c_forward_name(model))
         self.attn_backend = attn_backend
 
     # ---- one step ------------------------------------------------------------------------

@@ -40,7 +40,9 @@ def _flashinfer_refusal(spec: AttentionSpec, device: torch.device) -> str:
 
 
 def select_attention_backend(device: torch.device | str, spec: AttentionSpec, *,
-                             deterministic: bool = False) -> AttentionBackend:
+                             deterministic: bool = False, attends_itself: str = "") -> AttentionBackend:
+    """``attends_itself``: the name of a model forward that runs its own attention (the C decoder
+    forward on the CPU), said in the log line: the backend then only serves the steps it leaves."""
     device = torch.device(device)
     forced = os.environ.get("TOKENBUDGET_ATTENTION_BACKEND", "")
     why = "CPU"
@@ -60,5 +62,9 @@ def select_attention_backend(device: torch.device | str, spec: AttentionSpec, *,
         if forced == "flashinfer":
             raise ValueError(f"TOKENBUDGET_ATTENTION_BACKEND=flashinfer but {why}")
     backend = TorchRefBackend(spec, device)
+    if attends_itself:
+        logger.info("attention: %s on %s (%s only for the steps it does not take)", attends_itself, device,
+                    backend.name)
+        return backend
     logger.info("attention backend: %s on %s (%s)", backend.name, device, why)
     return backend

@@ -1,17 +1,20 @@
-/* The decoder forward of a Llama-family model whose linears are all q4/q8 (tb_forward), for x86
- * CPUs with AVX-512. Built into one library with quant_gemm.c (kernels/cpu/native.py), whose
- * batch-invariant linear it calls (quant_gemm.h).
+/* The decoder forward of a Llama-family model whose linears are all q4/q8 (tb_forward), one
+ * source for every kernel variant: portable C that each variant's flags vectorize (AVX-512, AVX2,
+ * NEON, or the baseline), over the variant's GEMMs (tb_linear, quant_gemm.h) in the same library
+ * (kernels/cpu/native.py builds one per variant).
  *
  * One call runs every layer over a flat batch of T tokens (prefill chunks, decodes and verifies of
  * several requests in any mix), replacing ~100 torch ops per layer. Batch invariance holds by the
  * same construction as the GEMMs: every row-wise op (RMSNorm, RoPE, SiLU, residual adds) and the
  * attention of a query row are computed from that row and its own context alone, in an order that
- * depends only on the row (its context length), never on T or on threads.
+ * depends only on the row (its context length), never on T or on threads. Reductions run in 16
+ * lanes (element i in lane i % 16) summed by one fixed tree (sum16); multiplies and adds stay
+ * separate (-ffp-contract=off, no -ffast-math) and exp is a polynomial of IEEE operations, no
+ * libm: so the variants compute the same operations and agree bitwise today (tests check it).
  *
  * The interface is one struct, TbForward (below), mirrored field for field by ctypes.Structure
  * classes in kernels/cpu/decoder_forward.py.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -19,35 +22,43 @@
 
 #include "quant_gemm.h"
 
-#define INLINE static inline __attribute__((always_inline))
+#define LANES 16
 
-/* expf, vectorized (Cephes polynomial; about 2 ulp; deterministic). */
-INLINE __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365447505531f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
+/* The 16 lanes summed by one fixed tree: (i, i + 8), then (i, i + 4), (i, i + 2), (i, i + 1). */
+INLINE float sum16(const float a[LANES]) {
+    float b[8], c[4];
+    for (int i = 0; i < 8; i++) b[i] = a[i] + a[i + 8];
+    for (int i = 0; i < 4; i++) c[i] = b[i] + b[i + 4];
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+/* expf (Cephes' polynomial, about 2 ulp), from IEEE multiplies and adds only: the same bits on
+ * every variant. x is clamped to [-87.33, 88]; 2^n is built in the exponent field. */
+INLINE float exp_poly(float x) {
+    x = x > 88.0f ? 88.0f : (x < -87.3365447505531f ? -87.3365447505531f : x);
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest even */
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + (r + 1.0f);
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
 }
 
 /* out = w * (x / sqrt(mean(x^2) + eps)), H a multiple of 16. */
 static void rms_norm_row(const float *x, const float *w, int64_t h, float eps, float *out) {
-    __m512 ss = _mm512_setzero_ps();
-    for (int64_t i = 0; i < h; i += 16) {
-        __m512 v = _mm512_loadu_ps(x + i);
-        ss = _mm512_fmadd_ps(v, v, ss);
-    }
-    const __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)h + eps));
-    for (int64_t i = 0; i < h; i += 16)
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(_mm512_loadu_ps(x + i), r)));
+    float ss[LANES] = {0};
+    for (int64_t i = 0; i < h; i += LANES)
+        for (int j = 0; j < LANES; j++) ss[j] = ss[j] + x[i + j] * x[i + j];
+    const float r = 1.0f / sqrtf(sum16(ss) / (float)h + eps);
+    for (int64_t i = 0; i < h; i++) out[i] = w[i] * (x[i] * r);
 }
 
 /* x = x * cos + roll(x, D/2) * sin (sin carries rotate_half's sign), for nh heads of D. */
@@ -61,27 +72,24 @@ static void rope_heads(float *x, int64_t nh, int64_t d, const float *cos, const 
     }
 }
 
-/* q . k for one key, left in 16 lanes (summed by hsum16 with the other keys of its group). */
-INLINE __m512 dot_lanes(const float *a, const float *b, int64_t d) {
-    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
-    for (int64_t i = 16; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-    return acc;
+/* 16 floats as one value (gcc and clang vector extension): element-wise IEEE operations, which
+ * the compiler maps to the variant's registers (one zmm, two ymm, four xmm/NEON q, or 16 scalars).
+ * Written out because a 16-lane accumulator array in a loop is not vectorized by gcc 12. */
+typedef float v16 __attribute__((vector_size(64)));
+
+INLINE v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
 
-/* Lane j of the result = the sum of the 16 lanes of a[j]. The same add tree for every j (pairs
- * within 128-bit segments, then segments), so a key's score does not depend on its slot. */
-INLINE __m512 hsum16(const __m512 a[16]) {
-    __m512 t[8], u[4], w[2];
-    for (int i = 0; i < 8; i++)
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++)
-        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int i = 0; i < 2; i++)
-        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+/* q . k, D a multiple of 16: lane j accumulates elements j, j + 16, ...; then sum16. */
+INLINE float dot16(const float *a, const float *b, int64_t d) {
+    v16 acc = load16(a) * load16(b);
+    for (int64_t i = LANES; i < d; i += LANES) acc = acc + load16(a + i) * load16(b + i);
+    float lanes[LANES];
+    memcpy(lanes, &acc, sizeof lanes);
+    return sum16(lanes);
 }
 
 typedef struct {
@@ -90,61 +98,55 @@ typedef struct {
 } Dims;
 
 #define MAX_GROUP 8 /* query heads per kv head handled together in P @ V (more: several passes) */
+#define MAX_D 256
 
 /* Attention of one query row, kv head g (its G = hq / hk query heads) over positions 0..ctx-1 of
- * its request's paged cache ([blocks][2][bs][hk][d]). Scores in groups of 16 keys (fixed from
- * position 0), then per head max, exp and sum, then P @ V in position order: every operation's
+ * its request's paged cache ([blocks][2][bs][hk][d]). Scores key by key, then per head max, exp
+ * and a 16-lane sum (position p in lane p % 16), then P @ V in position order: every operation's
  * order is fixed by ctx alone. */
 static void attend_row(const Dims *dm, const float *q, const float *kv, const int32_t *blocks, int64_t ctx,
                        int64_t g, float *scores, float *out) {
-    const int64_t d = dm->d, hk = dm->hk, gsz = dm->hq / hk, bs = dm->bs, nv = d / 16;
-    const __m512 scale = _mm512_set1_ps(dm->scale);
+    const int64_t d = dm->d, hk = dm->hk, gsz = dm->hq / hk, bs = dm->bs;
     for (int64_t j = 0; j < gsz; j++) {
         const float *qj = q + (g * gsz + j) * d;
-        for (int64_t p0 = 0; p0 < ctx; p0 += 16) {
-            const int64_t n = ctx - p0 < 16 ? ctx - p0 : 16;
-            __m512 acc[16];
-            for (int64_t i = 0; i < 16; i++) {
-                const int64_t p = p0 + i;
-                acc[i] = i < n ? dot_lanes(qj, kv + ((int64_t)blocks[p / bs] * 2 * bs + p % bs) * hk * d + g * d, d)
-                               : _mm512_setzero_ps();
-            }
-            const __mmask16 mk = n == 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
-            _mm512_mask_storeu_ps(scores + j * ctx + p0, mk, _mm512_mul_ps(hsum16(acc), scale));
-        }
+        float *s = scores + j * ctx;
+        for (int64_t p = 0; p < ctx; p++)
+            s[p] = dot16(qj, kv + ((int64_t)blocks[p / bs] * 2 * bs + p % bs) * hk * d + g * d, d) * dm->scale;
     }
     float inv[gsz];
     for (int64_t j = 0; j < gsz; j++) {
         float *s = scores + j * ctx;
         float mx = -INFINITY;
         for (int64_t p = 0; p < ctx; p++) mx = s[p] > mx ? s[p] : mx;
-        __m512 sum = _mm512_setzero_ps();
-        const __m512 mxv = _mm512_set1_ps(mx);
-        for (int64_t p = 0; p < ctx; p += 16) {
-            const __mmask16 mk = ctx - p >= 16 ? 0xFFFF : (__mmask16)((1u << (ctx - p)) - 1);
-            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + p), mxv));
-            e = _mm512_maskz_mov_ps(mk, e);
-            _mm512_mask_storeu_ps(s + p, mk, e);
-            sum = _mm512_add_ps(sum, e);
+        float sum[LANES] = {0};
+        int64_t p = 0;
+        for (; p + LANES <= ctx; p += LANES)
+            for (int l = 0; l < LANES; l++) {
+                s[p + l] = exp_poly(s[p + l] - mx);
+                sum[l] = sum[l] + s[p + l];
+            }
+        for (int l = 0; p + l < ctx; l++) {
+            s[p + l] = exp_poly(s[p + l] - mx);
+            sum[l] = sum[l] + s[p + l];
         }
-        inv[j] = 1.0f / _mm512_reduce_add_ps(sum);
+        inv[j] = 1.0f / sum16(sum);
     }
     /* P @ V: the V rows are loaded once per position for up to MAX_GROUP heads. */
     for (int64_t j0 = 0; j0 < gsz; j0 += MAX_GROUP) {
         const int64_t nh = gsz - j0 < MAX_GROUP ? gsz - j0 : MAX_GROUP;
-        __m512 acc[MAX_GROUP][16];
+        float acc[MAX_GROUP][MAX_D];
         for (int64_t j = 0; j < nh; j++)
-            for (int64_t i = 0; i < nv; i++) acc[j][i] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < d; i++) acc[j][i] = 0.0f;
         for (int64_t p = 0; p < ctx; p++) {
             const float *v = kv + (((int64_t)blocks[p / bs] * 2 + 1) * bs + p % bs) * hk * d + g * d;
             for (int64_t j = 0; j < nh; j++) {
-                const __m512 sp = _mm512_set1_ps(scores[(j0 + j) * ctx + p]);
-                for (int64_t i = 0; i < nv; i++) acc[j][i] = _mm512_fmadd_ps(sp, _mm512_loadu_ps(v + 16 * i), acc[j][i]);
+                const float sp = scores[(j0 + j) * ctx + p];
+                for (int64_t i = 0; i < d; i++) acc[j][i] = acc[j][i] + sp * v[i];
             }
         }
         for (int64_t j = 0; j < nh; j++) {
             float *o = out + (g * gsz + j0 + j) * d;
-            for (int64_t i = 0; i < nv; i++) _mm512_storeu_ps(o + 16 * i, _mm512_mul_ps(acc[j][i], _mm512_set1_ps(inv[j0 + j])));
+            for (int64_t i = 0; i < d; i++) o[i] = acc[j][i] * inv[j0 + j];
         }
     }
 }
@@ -172,10 +174,11 @@ typedef struct {
     const int32_t *row_ctx, *row_req, *block_tables;
 } TbForward;
 
+
 /* 0, or -1 when out of memory. */
 int tb_forward(const TbForward *a) {
     const int64_t t = a->num_tokens, nl = a->num_layers;
-    const int nthreads = (int)a->num_threads;
+    const int nthreads = tb_team(t, (int)a->num_threads);
     const Dims dm = {a->hidden, a->num_heads, a->num_kv_heads, a->head_dim, a->intermediate, a->block_size,
                      a->max_blocks, a->eps, a->scale};
     float *x = a->x;
@@ -188,8 +191,10 @@ int tb_forward(const TbForward *a) {
     float *hs = malloc(t * h * sizeof(float)), *qkv = malloc(t * qkvn * sizeof(float));
     float *att = malloc(t * qsz * sizeof(float)), *gu = malloc(t * 2 * inter * sizeof(float));
     float *act = malloc(t * inter * sizeof(float));
-    int rc = hs && qkv && att && gu && act ? 0 : -1;
-    const int par_rows = t >= 4 ? nthreads : 1;
+    XRows rows = {0}; /* the quantized activations of every linear: K is at most max(H, Hq * D, I) */
+    const int64_t kmax = h > qsz ? (h > inter ? h : inter) : (qsz > inter ? qsz : inter);
+    int rc = hs && qkv && att && gu && act && tb_rows_alloc(&rows, t, kmax) ? 0 : -1;
+    const int par_rows = nthreads;
     for (int64_t l = 0; l < nl && rc == 0; l++) {
         const TbLayer *layer = a->layers + l;
         const float *in_norm = layer->input_norm, *post_norm = layer->post_norm;
@@ -197,7 +202,7 @@ int tb_forward(const TbForward *a) {
         const Lin *lqkv = &layer->qkv, *lo = &layer->o, *lgu = &layer->gate_up, *ldn = &layer->down;
 #pragma omp parallel for num_threads(par_rows) schedule(static)
         for (int64_t r = 0; r < t; r++) rms_norm_row(x + r * h, in_norm, h, dm.eps, hs + r * h);
-        rc |= tb_linear(lqkv, hs, t, h, qkvn, qkv, 0, nthreads);
+        rc |= tb_linear(lqkv, hs, t, h, qkvn, qkv, 0, nthreads, &rows);
 #pragma omp parallel for num_threads(par_rows) schedule(static)
         for (int64_t r = 0; r < t; r++) {
             float *row = qkv + r * qkvn;
@@ -206,7 +211,7 @@ int tb_forward(const TbForward *a) {
             memcpy(kv + ((blk * 2) * dm.bs + off) * kvsz, row + qsz, kvsz * sizeof(float));
             memcpy(kv + ((blk * 2 + 1) * dm.bs + off) * kvsz, row + qsz + kvsz, kvsz * sizeof(float));
         }
-#pragma omp parallel num_threads(t * dm.hk >= 2 ? nthreads : 1)
+#pragma omp parallel num_threads(nthreads)
         {
             float *scores = malloc((dm.hq / dm.hk) * max_ctx * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
@@ -222,26 +227,26 @@ int tb_forward(const TbForward *a) {
             }
             free(scores);
         }
-        rc |= tb_linear(lo, att, t, qsz, h, x, 1, nthreads);
+        rc |= tb_linear(lo, att, t, qsz, h, x, 1, nthreads, &rows);
 #pragma omp parallel for num_threads(par_rows) schedule(static)
         for (int64_t r = 0; r < t; r++) rms_norm_row(x + r * h, post_norm, h, dm.eps, hs + r * h);
-        rc |= tb_linear(lgu, hs, t, h, 2 * inter, gu, 0, nthreads);
+        rc |= tb_linear(lgu, hs, t, h, 2 * inter, gu, 0, nthreads, &rows);
 #pragma omp parallel for num_threads(par_rows) schedule(static)
         for (int64_t r = 0; r < t; r++) {
             const float *gr = gu + r * 2 * inter, *ur = gr + inter;
             float *ar = act + r * inter;
-            for (int64_t i = 0; i < inter; i += 16) {
-                __m512 gv = _mm512_loadu_ps(gr + i);
-                __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-                _mm512_storeu_ps(ar + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_loadu_ps(ur + i)));
+            for (int64_t i = 0; i < inter; i++) {
+                const float gv = gr[i], sig = 1.0f / (1.0f + exp_poly(0.0f - gv));
+                ar[i] = (gv * sig) * ur[i];
             }
         }
-        rc |= tb_linear(ldn, act, t, inter, h, x, 1, nthreads);
+        rc |= tb_linear(ldn, act, t, inter, h, x, 1, nthreads, &rows);
     }
     free(hs);
     free(qkv);
     free(att);
     free(gu);
     free(act);
+    tb_rows_free(&rows);
     return rc ? -1 : 0;
 }

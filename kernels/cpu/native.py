@@ -1,16 +1,26 @@
-"""The C kernels of this folder, compiled at first use and loaded with ctypes.
+"""The C kernels of this folder, one library per instruction set, compiled at first use and loaded
+with ctypes.
 
-Two roles, two files, one library: ``quant_gemm.c`` (the weight-only GEMMs) and
-``decoder_forward.c`` (the whole decoder in one call, built on those GEMMs through
-``quant_gemm.h``). Why not a torch C++ extension: compiling against torch's headers is slow, these
-files compile with the system C compiler in seconds and need nothing from torch (benches/RESULTS.md).
-The library is cached under ``$TOKENBUDGET_CACHE`` (default ``~/.cache/tokenbudget``) keyed by the
-sources, the flags and the compiler, and is written atomically (concurrent first uses are safe).
+One source, built once per **variant** (``VARIANTS``): the GEMM driver ``quant_gemm.c`` with the
+variant's tile kernels (``gemm_<variant>.h``, picked by the ``-DTB_<VARIANT>`` in its flags) and
+the decoder forward ``decoder_forward.c`` (portable C; the variant's flags vectorize it). Why not a
+torch C++ extension: compiling against torch's headers is slow, these files compile with the
+system C compiler (gcc or clang) in seconds and need nothing from torch. Each library is cached
+under ``$TOKENBUDGET_CACHE`` (default ``~/.cache/tokenbudget``)/native keyed by the sources, the
+flags and the compiler, and written atomically (concurrent first uses are safe).
 
-``library()`` returns None — and callers keep torch's kernels — when the CPU lacks AVX-512 VNNI,
-no C compiler is found, the build fails (logged once), or ``TOKENBUDGET_NATIVE=0``. The library
-links OpenMP by soname (``libgomp.so.1``), so once torch is imported it shares torch's own
-OpenMP runtime and thread pool instead of starting a second one.
+Which variant runs (``selected_variant``): ``TOKENBUDGET_NATIVE`` unset (or ``1``/``auto``) takes
+the first SIMD variant of ``VARIANTS`` this CPU can execute, and torch's kernels where there is
+none: the portable ``scalar`` variant (any CPU, any C compiler) is slower than torch's kernels
+(benches/RESULTS.md), so it runs only when named. A variant name forces it (``ValueError`` if the
+name is unknown or the CPU lacks its instructions); ``0`` keeps torch's kernels. ``library()``
+returns None - and callers keep torch's kernels - for ``0``, when no C
+compiler is found or when the build fails (logged once; ``build_error`` says why).
+
+OpenMP: ``-fopenmp`` (gcc, clang with libomp); on macOS ``-Xpreprocessor -fopenmp -lomp`` where
+Homebrew's libomp is installed; otherwise the library is built without OpenMP and runs one thread.
+On Linux it links OpenMP by soname (``libgomp.so.1``), so once torch is imported it shares
+torch's own OpenMP runtime and thread pool instead of starting a second one.
 """
 
 from __future__ import annotations
@@ -20,21 +30,50 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
+import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenbudget.api.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
-# One library: the GEMMs, and the decoder forward that calls them (through quant_gemm.h).
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant_gemm.c", "decoder_forward.c"))
-HEADERS = (Path(__file__).with_name("quant_gemm.h"),)
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "avx2", "f16c")
-CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mavx2", "-mf16c",
-          "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "quant_gemm.c", HERE / "decoder_forward.c")
+HEADERS = tuple(sorted(HERE.glob("*.h")))
+# What every variant is compiled with: no contraction into FMA and no -ffast-math, so the float
+# operations are the ones written (the float rule in quant_gemm.c; variants agree bitwise).
+COMMON_CFLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-Wno-unknown-pragmas")
+ENV = "TOKENBUDGET_NATIVE"
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One build of the kernels: the CPU features it needs (``/proc/cpuinfo`` names) and its flags."""
+
+    name: str
+    arch: str | None          # "x86_64", "aarch64", or None: any
+    cpu_flags: tuple[str, ...]
+    cflags: tuple[str, ...]
+
+
+# In order of preference: the first one the CPU can execute runs by default.
+VARIANTS = (
+    Variant("avx512_vnni", "x86_64",
+            ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "avx2", "f16c"),
+            ("-DTB_AVX512_VNNI", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma",
+             "-mavx2", "-mf16c", "-mprefer-vector-width=512")),
+    Variant("avx_vnni", "x86_64", ("avx_vnni", "avx2", "fma", "f16c"),
+            ("-DTB_AVX_VNNI", "-mavxvnni", "-mavx2", "-mfma", "-mf16c")),
+    Variant("avx2", "x86_64", ("avx2", "fma", "f16c"), ("-DTB_AVX2", "-mavx2", "-mfma", "-mf16c")),
+    Variant("neon", "aarch64", ("asimddp",), ("-DTB_NEON", "-march=armv8.2-a+dotprod")),
+    Variant("scalar", None, (), ("-DTB_SCALAR",)),
+)
+BY_NAME = {v.name: v for v in VARIANTS}
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
@@ -46,65 +85,177 @@ _SIGNATURES = {
     "tb_quantize_rows": ([_P, _I64, _I64, _P, _P], None),
     # one TbForward struct (decoder_forward.py mirrors it)
     "tb_forward": ([_P], _INT),
+    "tb_variant": ([], ctypes.c_char_p),
 }
 
 
-def cpu_supported() -> bool:
+def machine() -> str:
+    """``x86_64`` or ``aarch64`` (macOS says ``arm64``, Windows ``AMD64``)."""
+    m = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
+
+
+@functools.cache
+def cpu_features() -> frozenset[str]:
+    """The CPU's feature names as ``/proc/cpuinfo`` spells them (Linux ``flags``/``Features``;
+    macOS from ``sysctl``)."""
+    if sys.platform == "darwin":
+        return _darwin_features()
+    feats: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return all(flag in flags for flag in CPU_FLAGS)
+                if line.startswith(("flags", "Features")):
+                    feats.update(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return frozenset(feats)
+
+
+def _darwin_features() -> frozenset[str]:
+    def sysctl(name: str) -> str:
+        proc = subprocess.run(["sysctl", "-n", name], capture_output=True, text=True)
+        return proc.stdout.strip() if proc.returncode == 0 else ""
+
+    if machine() == "aarch64":
+        return frozenset({"asimddp"} if sysctl("hw.optional.arm.FEAT_DotProd") == "1" else ())
+    words = (sysctl("machdep.cpu.features") + " " + sysctl("machdep.cpu.leaf7_features")).lower().split()
+    names = {"avx2": "avx2", "fma": "fma", "f16c": "f16c", "avx1.0": "avx", "avx512f": "avx512f",
+             "avx512bw": "avx512bw", "avx512vl": "avx512vl", "avx512dq": "avx512dq", "avx512vnni": "avx512_vnni"}
+    return frozenset(names[w] for w in words if w in names)
+
+
+def missing(variant: str) -> list[str]:
+    """What this CPU lacks to execute ``variant``: its architecture or instruction names ([] = runs)."""
+    v = BY_NAME[variant]
+    if v.arch is not None and v.arch != machine():
+        return [f"an {v.arch} CPU (this is {machine()})"]
+    return [f for f in v.cpu_flags if f not in cpu_features()]
+
+
+@functools.cache
+def _runnable() -> tuple[str, ...]:
+    return tuple(v.name for v in VARIANTS if not missing(v.name))
+
+
+def runnable_variants() -> list[str]:
+    """The variants this CPU can execute, best first (``scalar`` always)."""
+    return list(_runnable())
+
+
+def selected_variant() -> str | None:
+    """The variant ``TOKENBUDGET_NATIVE`` asks for (module doc), or None for torch's kernels."""
+    want = os.environ.get(ENV, "").strip().lower()
+    if want == "0":
+        return None
+    if want in ("", "1", "auto"):
+        best = runnable_variants()[0]
+        return None if best == "scalar" else best
+    if want not in BY_NAME:
+        raise ValueError(f"{ENV}={want!r}: expected one of 0, auto, {', '.join(BY_NAME)}")
+    lacks = missing(want)
+    if lacks:
+        raise ValueError(f"{ENV}={want}: this CPU cannot execute it (missing {', '.join(lacks)})")
+    return want
 
 
 def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _openmp_flags() -> list[tuple[str, ...]]:
+    """OpenMP flag sets to try in order; the last, empty, builds a one-thread library."""
+    if sys.platform == "darwin":
+        tries = []
+        for prefix in ("/opt/homebrew/opt/libomp", "/usr/local/opt/libomp"):
+            if os.path.isdir(prefix):
+                tries.append(("-Xpreprocessor", "-fopenmp", f"-I{prefix}/include", f"-L{prefix}/lib", "-lomp"))
+        return [*tries, ()]
+    return [("-fopenmp",), ()]
 
 
 def _cache_dir() -> Path:
     return Path(cache_dir()) / "native"
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, variant: Variant) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     texts = [p.read_text() for p in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, *CFLAGS, version]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"tb_cpu_{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        subprocess.run([cc, *CFLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True, check=True)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+    errors = []
+    for omp in _openmp_flags():
+        flags = (*COMMON_CFLAGS, *variant.cflags, *omp)
+        key = hashlib.sha256("\0".join([*texts, *flags, version]).encode()).hexdigest()[:16]
+        out = _cache_dir() / f"tb_cpu_{variant.name}_{key}.so"
+        if out.exists():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        try:
+            proc = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True)
+            if proc.returncode == 0:
+                os.replace(tmp, out)
+                if not omp:
+                    log.info("C kernels (%s) built without OpenMP: they run one thread", variant.name)
+                return out
+            errors.append(f"{' '.join(omp) or 'no OpenMP'}: {proc.stderr.strip()[-2000:]}")
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise OSError("\n".join(errors))
+
+
+_BUILD_ERRORS: dict[str, str] = {}
+
+
+def build_error(variant: str) -> str | None:
+    """Why ``load(variant)`` returned None (None if it did not, or was not tried)."""
+    return _BUILD_ERRORS.get(variant)
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, or None where it cannot be used (module doc)."""
-    if os.environ.get("TOKENBUDGET_NATIVE", "1") == "0" or not cpu_supported():
-        return None
+def load(variant: str) -> ctypes.CDLL | None:
+    """The library of ``variant`` (built if needed), or None where it cannot be built (logged).
+    The caller makes sure the CPU can execute it (``missing``)."""
+    v = BY_NAME[variant]
     cc = _compiler()
     if cc is None:
+        _BUILD_ERRORS[variant] = "no C compiler found (cc, gcc, clang or $CC)"
         log.info("no C compiler found: the CPU quantized GEMMs use torch's kernels")
         return None
     import torch  # noqa: F401  (loads torch's libgomp first, so the library binds to it)
     try:
-        lib = ctypes.CDLL(str(_build(cc)))
+        lib = ctypes.CDLL(str(_build(cc, v)))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        log.warning("building the C kernels failed, the CPU quantized GEMMs use torch's kernels: %s", detail)
+        _BUILD_ERRORS[variant] = detail
+        log.warning("building the C kernels (%s) failed, the CPU quantized GEMMs use torch's kernels: %s", variant,
+                    detail)
         return None
     for name, (args, res) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
+    assert lib.tb_variant().decode() == variant
     return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library of the selected variant, or None where torch's kernels run (module doc)."""
+    variant = selected_variant()
+    return None if variant is None else load(variant)
+
+
+def unavailable_reason() -> str:
+    """Why torch's kernels run instead of the C kernels ("" where the C kernels load), for the
+    start-up line."""
+    try:
+        variant = selected_variant()
+    except ValueError as e:
+        return str(e)
+    if variant is None:
+        if os.environ.get(ENV, "").strip() == "0":
+            return f"{ENV}=0"
+        return f"no SIMD kernel variant for this CPU; {ENV}=scalar runs the portable one"
+    if load(variant) is None:
+        return f"the C {variant} build failed: {(build_error(variant) or '').splitlines()[-1:]}"
+    return ""

@@ -1,15 +1,17 @@
-/* Weight-only quantized GEMMs for x86 CPUs with AVX-512 VNNI: y[M, N] = x[M, K] @ W[N, K]^T.
+/* Weight-only quantized GEMMs: y[M, N] = x[M, K] @ W[N, K]^T, one driver for every instruction set.
  *
- * Built and loaded at first use by kernels/cpu/native.py (cc -O3, cached per source and flags),
- * in one library with decoder_forward.c, which calls tb_linear (quant_gemm.h).
+ * Built and loaded at first use by kernels/cpu/native.py, once per kernel variant: the variant's
+ * compiler flags define TB_<VARIANT>, which picks the tile kernels below (gemm_<variant>.h); the
+ * driver, the activation quantization, the weight formats and the float rule are this file's and
+ * the same for all. decoder_forward.c calls tb_linear (quant_gemm.h), in the same library.
  *
  * The activations are quantized per row in groups of 32 to int8 (scale = amax / 127, round to
- * nearest even: GGUF's Q8 activations) and the products run as u8 x s8 integer dot products
- * (vpdpbusd). The weights are laid out by blocks of 16 output columns: in a 512-bit register
- * lane j holds 4 consecutive K-elements of column n0 + j, so one vpdpbusd against 4 broadcast
- * activation bytes advances 16 outputs by 4 products each, and a group's integer sums land in
- * the 16 lanes of the 16 outputs: no horizontal sums, and scales apply once per group to 16
- * columns at a time. Formats (N padded to a multiple of 16 with zero columns):
+ * nearest even: GGUF's Q8 activations) and the products are exact integer dot products (vpdpbusd,
+ * vpmaddubsw + vpmaddwd, sdot, or plain C, as the variant has them). The weights are laid out by
+ * blocks of 16 output columns, 4 consecutive K-elements of one column next to each other, so a
+ * register holds 4 inputs of each of 16 (AVX-512), 8 (AVX2) or 4 (NEON) columns and a group's
+ * integer sums land in one lane per column: no horizontal sums. Formats (N padded to a multiple of
+ * 16 with zero columns):
  *   q4: 4-bit asymmetric per group of 32 input columns, w = q * d + m, q in [0, 15] (GGUF Q4_1).
  *       Per (column block, group) a 320-byte record: 4 x 64 bytes of nibbles (sub-block s, lane j,
  *       byte i: low nibble = element 8s + i of column j, high nibble = element 8s + 4 + i), then
@@ -19,134 +21,132 @@
  *       column j); s: fp32 [N padded].
  * K must be a multiple of 32.
  *
- * Batch invariance, by construction: output (m, n) is the same sequence of operations whatever
- * the row count M, the tile it falls in and the thread that runs it: per group g in order, an
- * exact integer dot product, then acc = fma(float(isum), d_w * d_x, acc) (+ fma(m_w, s_x, acc)
- * for q4); no reassociation (no -ffast-math, -ffp-contract=off). Threads split work items.
+ * The float rule, one for every variant (the tile kernels implement it lane by lane): per group g
+ * in order, with the exact integer dot product isum,
+ *   q4: acc = acc + float(isum) * (d_w * d_x);  acc = acc + m_w * xs     (xs = d_x * sum(q_x))
+ *   q8: acc = acc + float(isum) * d_x;          at the end acc = acc * s_w
+ * then out = (old +) (acc (+ bias)). Separate multiplies and adds, no FMA (-ffp-contract=off, no
+ * -ffast-math), so every variant computes the same IEEE operations: they agree bitwise (the tests
+ * check it), although the contract only promises that each variant is batch invariant.
+ *
+ * Batch invariance, by construction: output (m, n) is that sequence of operations whatever the
+ * row count M, the tile it falls in and the thread that runs it. Threads split work items.
  */
-#include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "quant_gemm.h"
 
-#define GROUP 32
-#define NB 16     /* columns per block = lanes of a register */
+/* fp16 bits -> fp32, exactly (the scalar and NEON kernels' weight scales). */
+INLINE float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, mant = h & 0x3FF;
+    uint32_t bits;
+    if (e == 0) {
+        const float v = (float)mant * 5.9604644775390625e-8f; /* 2^-24: zero and subnormals */
+        return sign ? -v : v;
+    }
+    bits = sign | (e == 31 ? 0x7F800000u | (mant << 13) : ((e + 112) << 23) | (mant << 13));
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+#if defined(TB_AVX512_VNNI)
+#include "gemm_avx512_vnni.h"
+#elif defined(TB_AVX_VNNI)
+#include "gemm_avx_vnni.h"
+#elif defined(TB_AVX2)
+#include "gemm_avx2.h"
+#elif defined(TB_NEON)
+#include "gemm_neon.h"
+#else
+#include "gemm_scalar.h"
+#endif
+
 #define MBLOCK 64 /* rows per work item: a block's quantized rows stay in L2 while the weights stream */
-#define Q4_REC 320
-#define Q8_REC 512
 
-#define INLINE static inline __attribute__((always_inline))
+/* The variant this library was built as (native.py checks it). */
+const char *tb_variant(void) { return TB_VARIANT_NAME; }
 
+/* Round to nearest even for |v| < 2^22, with two IEEE adds (the same in every variant, no libm). */
+INLINE float round_even(float v) { return (v + 12582912.0f) - 12582912.0f; }
 
-/* Quantized activation rows: q [M][K] int8; per row and group: dx (scale), xs = dx * sum(q)
- * (q4's min term), corr = -128 * sum(q) (undoes q8's u8 offset exactly, in integers). */
-typedef struct {
-    int8_t *q;
-    float *dx, *xs;
-    int32_t *corr;
-    int64_t k;
-} XRows;
+/* max |a[i]| over a group: on the bit patterns with the sign cleared, whose integer order is the
+ * order of the non-negative floats (exact; an integer max vectorizes, a float max does not
+ * without -ffast-math). */
+INLINE float group_amax(const float *a) {
+    uint32_t m = 0;
+    for (int i = 0; i < GROUP; i++) {
+        uint32_t b;
+        memcpy(&b, a + i, 4);
+        b &= 0x7FFFFFFFu;
+        m = b > m ? b : m;
+    }
+    float f;
+    memcpy(&f, &m, 4);
+    return f;
+}
 
 static void quantize_row(const XRows *x, const float *src, int64_t m) {
     const int64_t k = x->k, ng = k / GROUP;
     int8_t *q = x->q + m * k;
-    const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int64_t g = 0; g < ng; g++) {
         const float *a = src + g * GROUP;
-        __m512 a0 = _mm512_loadu_ps(a), a1 = _mm512_loadu_ps(a + 16);
-        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a0), _mm512_andnot_ps(sign, a1)));
-        float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, _mm512_set1_ps(id)));
-        __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, _mm512_set1_ps(id)));
-        _mm_storeu_si128((__m128i *)(q + g * GROUP), _mm512_cvtsepi32_epi8(i0));
-        _mm_storeu_si128((__m128i *)(q + g * GROUP + 16), _mm512_cvtsepi32_epi8(i1));
-        int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+        const float amax = group_amax(a);
+        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < GROUP; i++) {
+            float r = round_even(a[i] * id);
+            r = r > 127.0f ? 127.0f : (r < -128.0f ? -128.0f : r);
+            q[g * GROUP + i] = (int8_t)r;
+            sum += (int32_t)r;
+        }
         x->dx[m * ng + g] = d;
         x->xs[m * ng + g] = d * (float)sum;
         x->corr[m * ng + g] = -128 * sum;
     }
 }
 
-INLINE __m512i bcast4(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-}
-
-/* Store 16 lanes into out[n0 .. n0 + 16) (masked past n), adding bias and the old value. */
-INLINE void store16(float *o, __m512 v, const Lin *L, int64_t n0, int64_t n, int accumulate) {
-    const __mmask16 mk = n - n0 >= NB ? 0xFFFF : (__mmask16)((1u << (n - n0)) - 1);
-    if (L->bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, L->bias + n0));
-    if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mk, o), v);
-    _mm512_mask_storeu_ps(o, mk, v);
-}
-
-/* RM rows from m0 against column block b (16 columns). */
-INLINE void q4_tile(const XRows *x, int64_t m0, const int RM, const Lin *L, int64_t b, int64_t n, float *out,
-                    int accumulate) {
-    const int64_t k = x->k, ng = k / GROUP;
-    const __m512i lo4 = _mm512_set1_epi8(0x0F);
-    __m512 acc[8];
-    for (int i = 0; i < RM; i++) acc[i] = _mm512_setzero_ps();
-    const uint8_t *p = L->w + b * ng * Q4_REC;
-    for (int64_t g = 0; g < ng; g++, p += Q4_REC) {
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));
-        const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));
-        __m512i isum[8];
-        for (int i = 0; i < RM; i++) isum[i] = _mm512_setzero_si512();
-        for (int sb = 0; sb < 4; sb++) {
-            const __m512i raw = _mm512_loadu_si512(p + 64 * sb);
-            const __m512i lo = _mm512_and_si512(raw, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
-            for (int i = 0; i < RM; i++) {
-                const int8_t *xk = x->q + (m0 + i) * k + g * GROUP + 8 * sb;
-                isum[i] = _mm512_dpbusd_epi32(isum[i], lo, bcast4(xk));
-                isum[i] = _mm512_dpbusd_epi32(isum[i], hi, bcast4(xk + 4));
-            }
-        }
-        for (int i = 0; i < RM; i++) {
-            const int64_t r = (m0 + i) * ng + g;
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(dw, _mm512_set1_ps(x->dx[r])), acc[i]);
-            acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x->xs[r]), acc[i]);
-        }
+/* res (one tile's acc, rows x 16) -> out[.][n0 .. n0 + 16) (cut at n): q8's scale, bias, old value. */
+static void store_tile(const float (*res)[NB], int rm, const Lin *L, int64_t m0, int64_t b, int64_t n, float *out,
+                       int accumulate) {
+    const int64_t n0 = b * NB, cols = n - n0 < NB ? n - n0 : NB;
+    const float *s = L->fmt == 8 ? L->s + n0 : NULL, *bias = L->bias ? L->bias + n0 : NULL;
+    for (int i = 0; i < rm; i++) {
+        float v[NB];
+        float *o = out + (m0 + i) * n + n0;
+        for (int j = 0; j < NB; j++) v[j] = res[i][j];
+        if (s)
+            for (int j = 0; j < NB; j++) v[j] = v[j] * s[j]; /* s is padded to the block */
+        if (bias)
+            for (int64_t j = 0; j < cols; j++) v[j] = v[j] + bias[j];
+        if (accumulate)
+            for (int64_t j = 0; j < cols; j++) o[j] = o[j] + v[j];
+        else
+            for (int64_t j = 0; j < cols; j++) o[j] = v[j];
     }
-    for (int i = 0; i < RM; i++) store16(out + (m0 + i) * n + b * NB, acc[i], L, b * NB, n, accumulate);
 }
 
-INLINE void q8_tile(const XRows *x, int64_t m0, const int RM, const Lin *L, int64_t b, int64_t n, float *out,
-                    int accumulate) {
-    const int64_t k = x->k, ng = k / GROUP;
-    __m512 acc[8];
-    for (int i = 0; i < RM; i++) acc[i] = _mm512_setzero_ps();
-    const uint8_t *p = L->w + b * ng * Q8_REC;
-    for (int64_t g = 0; g < ng; g++, p += Q8_REC) {
-        __m512i isum[8];
-        for (int i = 0; i < RM; i++) isum[i] = _mm512_set1_epi32(x->corr[(m0 + i) * ng + g]);
-        for (int sb = 0; sb < 8; sb++) {
-            const __m512i wv = _mm512_loadu_si512(p + 64 * sb);
-            for (int i = 0; i < RM; i++)
-                isum[i] = _mm512_dpbusd_epi32(isum[i], wv, bcast4(x->q + (m0 + i) * k + g * GROUP + 4 * sb));
-        }
-        for (int i = 0; i < RM; i++)
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_set1_ps(x->dx[(m0 + i) * ng + g]), acc[i]);
-    }
-    const __m512 s = _mm512_loadu_ps(L->s + b * NB);
-    for (int i = 0; i < RM; i++) store16(out + (m0 + i) * n + b * NB, _mm512_mul_ps(acc[i], s), L, b * NB, n, accumulate);
-}
-
-#define TILE_ARGS (const XRows *x, int64_t m0, const Lin *L, int64_t b, int64_t n, float *out, int acc)
+#define TILE_ARGS (const XRows *x, int64_t m0, const Lin *L, int64_t b, float (*res)[NB])
 #define DEF_TILE(FMT, RM) \
-    static void FMT##_##RM TILE_ARGS { FMT##_tile(x, m0, RM, L, b, n, out, acc); }
+    static void FMT##_##RM TILE_ARGS { FMT##_tile(x, m0, RM, L, b, res); }
 DEF_TILE(q4, 1) DEF_TILE(q4, 2) DEF_TILE(q4, 3) DEF_TILE(q4, 4)
-DEF_TILE(q4, 5) DEF_TILE(q4, 6) DEF_TILE(q4, 7) DEF_TILE(q4, 8)
 DEF_TILE(q8, 1) DEF_TILE(q8, 2) DEF_TILE(q8, 3) DEF_TILE(q8, 4)
+#if TILE_M == 8
+DEF_TILE(q4, 5) DEF_TILE(q4, 6) DEF_TILE(q4, 7) DEF_TILE(q4, 8)
 DEF_TILE(q8, 5) DEF_TILE(q8, 6) DEF_TILE(q8, 7) DEF_TILE(q8, 8)
+#endif
 typedef void(*tile_fn) TILE_ARGS;
+#if TILE_M == 8
 static const tile_fn Q4_TILES[8] = {q4_1, q4_2, q4_3, q4_4, q4_5, q4_6, q4_7, q4_8};
 static const tile_fn Q8_TILES[8] = {q8_1, q8_2, q8_3, q8_4, q8_5, q8_6, q8_7, q8_8};
+#else
+static const tile_fn Q4_TILES[4] = {q4_1, q4_2, q4_3, q4_4};
+static const tile_fn Q8_TILES[4] = {q8_1, q8_2, q8_3, q8_4};
+#endif
 
-static int alloc_rows(XRows *x, int64_t m, int64_t k) {
+int tb_rows_alloc(XRows *x, int64_t m, int64_t k) {
     x->k = k;
     x->q = malloc(m * k);
     x->dx = malloc(m * (k / GROUP) * sizeof(float));
@@ -155,7 +155,7 @@ static int alloc_rows(XRows *x, int64_t m, int64_t k) {
     return x->q && x->dx && x->xs && x->corr;
 }
 
-static void free_rows(XRows *x) {
+void tb_rows_free(XRows *x) {
     free(x->q);
     free(x->dx);
     free(x->xs);
@@ -165,15 +165,19 @@ static void free_rows(XRows *x) {
 /* out[m][n] (+)= x[m] . W[n] (+ bias[n]): threads quantize the rows of x, then split the
  * (MBLOCK rows x 16 columns) work items, rows outer: a decode (one row block) splits N, a long
  * prefill gives each thread whole row blocks, which stay in cache while all of W streams past
- * them once. Within an item, tiles of up to 8 rows. 0, or -1 when out of memory. */
+ * them once. Within an item, tiles of up to TILE_M rows. 0, or -1 when out of memory. */
 int tb_linear(const Lin *L, const float *x, int64_t m, int64_t k, int64_t n, float *out, int accumulate,
-              int nthreads) {
+              int nthreads, XRows *scratch) {
     if (m <= 0) return 0;
     XRows rows;
-    if (!alloc_rows(&rows, m, k)) {
-        free_rows(&rows);
+    if (scratch) {
+        rows = *scratch;
+        rows.k = k;
+    } else if (!tb_rows_alloc(&rows, m, k)) {
+        tb_rows_free(&rows);
         return -1;
     }
+    nthreads = tb_team(m, nthreads);
     const tile_fn *tiles = L->fmt == 4 ? Q4_TILES : Q8_TILES;
     const int64_t nblocks = (n + NB - 1) / NB, mblocks = (m + MBLOCK - 1) / MBLOCK;
 #pragma omp parallel num_threads(nthreads)
@@ -184,34 +188,36 @@ int tb_linear(const Lin *L, const float *x, int64_t m, int64_t k, int64_t n, flo
         for (int64_t item = 0; item < mblocks * nblocks; item++) {
             const int64_t mb = item / nblocks, b = item % nblocks;
             const int64_t m_end = (mb + 1) * MBLOCK < m ? (mb + 1) * MBLOCK : m;
-            for (int64_t m0 = mb * MBLOCK; m0 < m_end; m0 += 8) {
-                const int rm = m_end - m0 < 8 ? (int)(m_end - m0) : 8;
-                tiles[rm - 1](&rows, m0, L, b, n, out, accumulate);
+            float res[TILE_M][NB];
+            for (int64_t m0 = mb * MBLOCK; m0 < m_end; m0 += TILE_M) {
+                const int rm = m_end - m0 < TILE_M ? (int)(m_end - m0) : TILE_M;
+                tiles[rm - 1](&rows, m0, L, b, res);
+                store_tile((const float(*)[NB])res, rm, L, m0, b, n, out, accumulate);
             }
         }
     }
-    free_rows(&rows);
+    if (!scratch) tb_rows_free(&rows);
     return 0;
 }
 
 int tb_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *out, int nthreads) {
     Lin L = {4, w, NULL, NULL};
-    return tb_linear(&L, x, m, k, n, out, 0, nthreads);
+    return tb_linear(&L, x, m, k, n, out, 0, nthreads, NULL);
 }
 
 int tb_gemm_q8(const float *x, int64_t m, int64_t k, const uint8_t *w, const float *s, int64_t n, float *out,
                int nthreads) {
     Lin L = {8, w, s, NULL};
-    return tb_linear(&L, x, m, k, n, out, 0, nthreads);
+    return tb_linear(&L, x, m, k, n, out, 0, nthreads, NULL);
 }
 
 /* The activation quantization alone (for tests): q[m][k], group scales d[m][k / 32]. */
 void tb_quantize_rows(const float *x, int64_t m, int64_t k, int8_t *q, float *d) {
     XRows rows;
-    if (alloc_rows(&rows, m, k)) {
+    if (tb_rows_alloc(&rows, m, k)) {
         for (int64_t i = 0; i < m; i++) quantize_row(&rows, x + i * k, i);
         memcpy(q, rows.q, m * k);
         memcpy(d, rows.dx, m * (k / GROUP) * sizeof(float));
     }
-    free_rows(&rows);
+    tb_rows_free(&rows);
 }
