@@ -173,7 +173,7 @@ def test_model_runner_passes_deterministic_to_the_selector(monkeypatch):
 
     seen = {}
 
-    def select(device, spec, *, deterministic=False):
+    def select(device, spec, *, deterministic=False, attends_itself=""):
         seen["deterministic"] = deterministic
         return TorchRefBackend(spec, device)
 
