@@ -180,7 +180,7 @@ def test_variant_gemms_equal_the_scalar_ones_bitwise(variant, monkeypatch):
 def test_variant_c_forward_equals_the_scalar_one_bitwise(variant, cfg64, mode, monkeypatch):
     model = _model(mode, seed=5)
     rng = random.Random(6)
-    seqs = [[rng.randrange(CFG64.vocab_size) for _ in range(n)] for n in (5, 40)]
+    seqs = [[rng.randrange(CFG64.vocab_size) for _ in range(n)] for n in (5, 40, 131)]  # 131: key tails, blocks
     got = tbi.run_schedule(model, seqs, tbi.SCHEDULES["whole"], torch.float32, 0)
     use_variant("scalar", monkeypatch)
     want = tbi.run_schedule(model, seqs, tbi.SCHEDULES["whole"], torch.float32, 0)

@@ -11,6 +11,8 @@
  * lanes (element i in lane i % 16) summed by one fixed tree (sum16); multiplies and adds stay
  * separate (-ffp-contract=off, no -ffast-math) and exp is a polynomial of IEEE operations, no
  * libm: so the variants compute the same operations and agree bitwise today (tests check it).
+ * The AVX-512 variant has its own attention, RMSNorm and SiLU in intrinsics (#if TB_AVX512_VNNI),
+ * the same operations in the same order (16 keys' sums by one transposed tree), so it agrees too.
  *
  * The interface is one struct, TbForward (below), mirrored field for field by ctypes.Structure
  * classes in kernels/cpu/decoder_forward.py.
@@ -52,13 +54,75 @@ INLINE float exp_poly(float x) {
     return p * scale;
 }
 
+#if defined(TB_AVX512_VNNI)
+/* The AVX-512 variant's attention, norm and SiLU in intrinsics (gcc does not vectorize the
+ * portable loops: scalar sum16 per key, scalar exp). The same IEEE operations in the same order as
+ * the portable code (multiplies and adds separate, no FMA; sum16's tree done on 16 keys at once),
+ * so its outputs equal the portable forward's bitwise. */
+#include <immintrin.h>
+
+/* exp_poly in 16 lanes: the same operations. */
+INLINE __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.3365447505531f));
+    const __m512 big = _mm512_set1_ps(12582912.0f);
+    const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), big), big);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+    r = _mm512_add_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* Lane m of the result = sum16 of the lanes of a[(m % 4) * 4 + m / 4] (callers put key m in that
+ * slot): lanes i + 8 added to i, then i + 4, then (0 + 2) + (1 + 3): sum16's tree, for 16 vectors
+ * at once with no horizontal sum per vector. */
+INLINE __m512 sum16x16(const __m512 a[16]) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int i = 0; i < 2; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+INLINE float sum16v(__m512 v) {
+    float lanes[LANES];
+    _mm512_storeu_ps(lanes, v);
+    return sum16(lanes);
+}
+#endif
+
 /* out = w * (x / sqrt(mean(x^2) + eps)), H a multiple of 16. */
 static void rms_norm_row(const float *x, const float *w, int64_t h, float eps, float *out) {
+#if defined(TB_AVX512_VNNI)
+    __m512 ssv = _mm512_setzero_ps();
+    for (int64_t i = 0; i < h; i += LANES) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        ssv = _mm512_add_ps(ssv, _mm512_mul_ps(v, v));
+    }
+    const float r = 1.0f / sqrtf(sum16v(ssv) / (float)h + eps);
+    const __m512 rv = _mm512_set1_ps(r);
+    for (int64_t i = 0; i < h; i += LANES)
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(_mm512_loadu_ps(x + i), rv)));
+#else
     float ss[LANES] = {0};
     for (int64_t i = 0; i < h; i += LANES)
         for (int j = 0; j < LANES; j++) ss[j] = ss[j] + x[i + j] * x[i + j];
     const float r = 1.0f / sqrtf(sum16(ss) / (float)h + eps);
     for (int64_t i = 0; i < h; i++) out[i] = w[i] * (x[i] * r);
+#endif
 }
 
 /* x = x * cos + roll(x, D/2) * sin (sin carries rotate_half's sign), for nh heads of D. */
@@ -104,6 +168,84 @@ typedef struct {
  * its request's paged cache ([blocks][2][bs][hk][d]). Scores key by key, then per head max, exp
  * and a 16-lane sum (position p in lane p % 16), then P @ V in position order: every operation's
  * order is fixed by ctx alone. */
+#if defined(TB_AVX512_VNNI)
+/* The same attention (same operations, same order) in AVX-512: scores for 16 keys at a time, their
+ * lane sums by one transposed tree (sum16x16); exp in 16 lanes; P @ V loads each V row once for up
+ * to MAX_GROUP query heads. */
+static void attend_row(const Dims *dm, const float *q, const float *kv, const int32_t *blocks, int64_t ctx,
+                       int64_t g, float *scores, float *out) {
+    const int64_t d = dm->d, hk = dm->hk, gsz = dm->hq / hk, bs = dm->bs, nv = d / LANES;
+    const __m512 scale = _mm512_set1_ps(dm->scale);
+    for (int64_t j = 0; j < gsz; j++) {
+        const float *qj = q + (g * gsz + j) * d;
+        for (int64_t p0 = 0; p0 < ctx; p0 += LANES) {
+            const int64_t n = ctx - p0 < LANES ? ctx - p0 : LANES;
+            const float *keys[LANES]; /* the n keys' rows, walked block by block (no division per key) */
+            for (int64_t i = 0, b = p0 / bs, off = p0 % bs; i < n; i++) {
+                keys[i] = kv + ((int64_t)blocks[b] * 2 * bs + off) * hk * d + g * d;
+                if (++off == bs) off = 0, b++;
+            }
+            __m512 acc[LANES];
+            for (int64_t i = 0; i < LANES; i++) {
+                const int64_t key = (i % 4) * 4 + i / 4; /* the slot sum16x16 puts in lane key */
+                if (key < n) {
+                    const float *k = keys[key];
+                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qj), _mm512_loadu_ps(k));
+                    for (int64_t e = LANES; e < d; e += LANES)
+                        a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_loadu_ps(qj + e), _mm512_loadu_ps(k + e)));
+                    acc[i] = a;
+                } else {
+                    acc[i] = _mm512_setzero_ps();
+                }
+            }
+            const __mmask16 mk = n == LANES ? 0xFFFF : (__mmask16)((1u << n) - 1);
+            _mm512_mask_storeu_ps(scores + j * ctx + p0, mk, _mm512_mul_ps(sum16x16(acc), scale));
+        }
+    }
+    float inv[gsz];
+    for (int64_t j = 0; j < gsz; j++) {
+        float *s = scores + j * ctx;
+        __m512 mxv = _mm512_set1_ps(-INFINITY);
+        for (int64_t p = 0; p < ctx; p += LANES) {
+            const __mmask16 mk = ctx - p >= LANES ? 0xFFFF : (__mmask16)((1u << (ctx - p)) - 1);
+            mxv = _mm512_mask_max_ps(mxv, mk, mxv, _mm512_maskz_loadu_ps(mk, s + p));
+        }
+        /* a maximum is exact whatever the order (a zero's sign aside, which exp_poly(s - mx) ignores) */
+        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mxv));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t p = 0; p < ctx; p += LANES) {
+            const __mmask16 mk = ctx - p >= LANES ? 0xFFFF : (__mmask16)((1u << (ctx - p)) - 1);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + p), mx));
+            _mm512_mask_storeu_ps(s + p, mk, e);
+            sum = _mm512_mask_add_ps(sum, mk, sum, e);
+        }
+        inv[j] = 1.0f / sum16v(sum);
+    }
+    for (int64_t j0 = 0; j0 < gsz; j0 += MAX_GROUP) {
+        const int64_t nh = gsz - j0 < MAX_GROUP ? gsz - j0 : MAX_GROUP;
+        /* one 16-column slice of the output at a time, its MAX_GROUP accumulators in registers
+         * (a fixed, unrolled head loop); each V row is still loaded once for all the heads */
+        for (int64_t i = 0; i < nv; i++) {
+            __m512 acc[MAX_GROUP];
+#pragma GCC unroll 8
+            for (int64_t j = 0; j < MAX_GROUP; j++) acc[j] = _mm512_setzero_ps();
+            for (int64_t p = 0, b = 0, off = 0; p < ctx; p++) {
+                const __m512 v = _mm512_loadu_ps(kv + (((int64_t)blocks[b] * 2 + 1) * bs + off) * hk * d + g * d + LANES * i);
+                if (++off == bs) off = 0, b++;
+                const float *sp = scores + j0 * ctx + p;
+#pragma GCC unroll 8
+                for (int64_t j = 0; j < MAX_GROUP; j++)
+                    if (j < nh) acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(_mm512_set1_ps(sp[j * ctx]), v));
+            }
+#pragma GCC unroll 8
+            for (int64_t j = 0; j < MAX_GROUP; j++)
+                if (j < nh)
+                    _mm512_storeu_ps(out + (g * gsz + j0 + j) * d + LANES * i,
+                                     _mm512_mul_ps(acc[j], _mm512_set1_ps(inv[j0 + j])));
+        }
+    }
+}
+#else
 static void attend_row(const Dims *dm, const float *q, const float *kv, const int32_t *blocks, int64_t ctx,
                        int64_t g, float *scores, float *out) {
     const int64_t d = dm->d, hk = dm->hk, gsz = dm->hq / hk, bs = dm->bs;
@@ -150,6 +292,7 @@ static void attend_row(const Dims *dm, const float *q, const float *kv, const in
         }
     }
 }
+#endif
 
 /* One decoder layer: its norms' weights, its KV cache [blocks][2][block_size][Hk][D] (fp32), its
  * four linears. */
@@ -235,10 +378,18 @@ int tb_forward(const TbForward *a) {
         for (int64_t r = 0; r < t; r++) {
             const float *gr = gu + r * 2 * inter, *ur = gr + inter;
             float *ar = act + r * inter;
+#if defined(TB_AVX512_VNNI)
+            for (int64_t i = 0; i < inter; i += LANES) {
+                const __m512 gv = _mm512_loadu_ps(gr + i), one = _mm512_set1_ps(1.0f);
+                const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+                _mm512_storeu_ps(ar + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_loadu_ps(ur + i)));
+            }
+#else
             for (int64_t i = 0; i < inter; i++) {
                 const float gv = gr[i], sig = 1.0f / (1.0f + exp_poly(0.0f - gv));
                 ar[i] = (gv * sig) * ur[i];
             }
+#endif
         }
         rc |= tb_linear(ldn, act, t, inter, h, x, 1, nthreads, &rows);
     }
