@@ -61,7 +61,7 @@ def speculative_config_from_args(args) -> dict | None:
         return json.loads(args.speculative_config)
     if args.no_spec:
         return None
-    n = args.num_spec_tokens
+    n = "auto" if args.num_spec_tokens is None else args.num_spec_tokens  # serve/bench: no default of their own
     return {"method": args.spec_method or "ngram", "num_speculative_tokens": n if n == "auto" else int(n)}
 
 

@@ -140,3 +140,32 @@ def test_speculation_defaults_to_the_adaptive_draft_length() -> None:
     assert cfg(parser.parse_args(["generate", "x", "--spec-method", "suffix"]))["num_speculative_tokens"] == "auto"
     assert cfg(parser.parse_args(["generate", "x", "--num-spec-tokens", "3"]))["num_speculative_tokens"] == 3
     assert cfg(parser.parse_args(["generate", "x", "--no-spec"])) is None
+
+
+def test_serve_and_bench_share_the_default_draft_length() -> None:
+    """``tokenbudget serve`` has no --num-spec-tokens default of its own: without the flag it
+    speculates like ``generate`` (a None count once crashed ``serve`` before the port opened)."""
+    import argparse
+
+    from tokenbudget.cli import generate, serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve"])
+    assert generate.speculative_config_from_args(args) == {"method": "ngram", "num_speculative_tokens": "auto"}
+
+
+def test_serve_with_a_missing_model_exits_2_with_one_line(tmp_path) -> None:
+    """The real CLI process: a model path that does not exist ends ``tokenbudget serve`` with the
+    CLI's one-line error and status 2, not a traceback."""
+    import subprocess
+    import sys
+
+    from serve_fixtures import free_port
+
+    missing = tmp_path / "missing.gguf"
+    res = subprocess.run([sys.executable, "-m", "tokenbudget", "serve", str(missing), "--host", "127.0.0.1",
+                          "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "tokenbudget: error: model:" in res.stderr and str(missing) in res.stderr
+    assert "Traceback" not in res.stderr

@@ -131,7 +131,10 @@ def make_replica_server(load: Callable[[], object], model_name: str, host: str =
             gate.open(build_app(llm, model_name, api_key, **(app_options or {})), llm)
             logger.info("tokenbudget: %s loaded; /health is 200", model_name)
         except BaseException as exc:  # noqa: BLE001 - reported, and the server stops
-            logger.exception("tokenbudget: loading %s failed", model_name)
+            if isinstance(exc, (ValueError, OSError)):  # the user's model path or file: no traceback
+                logger.error("tokenbudget: loading %s failed: %s", model_name, exc)
+            else:
+                logger.exception("tokenbudget: loading %s failed", model_name)
             server.load_error = exc
             server.should_exit = True
 
@@ -139,10 +142,15 @@ def make_replica_server(load: Callable[[], object], model_name: str, host: str =
 
 
 def serve_replica(load: Callable[[], object], model_name: str, **options) -> int:
-    """Serve until SIGTERM/SIGINT (drained); 0 after a clean drain, 1 if the model did not load."""
+    """Serve until SIGTERM/SIGINT (drained); 0 after a clean drain, 1 if the model did not load.
+    A model the user named wrongly (a missing path, a file that is no model: ``ValueError`` or
+    ``OSError`` from the load) raises ``ValueError`` after the server stopped, so the CLI answers
+    with its one-line error and exit status 2, as for any other bad flag."""
     server, loader = make_replica_server(load, model_name, **options)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda signum, frame: None)  # uvicorn re-raises what it handled
     loader.start()
     server.run()
+    if isinstance(server.load_error, (ValueError, OSError)):
+        raise ValueError(f"model: {server.load_error}") from None
     return 0 if server.started and server.load_error is None else 1
