@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The documented GPU command (docs/cuda.md), from a fresh working tree, offline:
 #   bash benches/gpu_check.sh --device cuda --out benches/results/gpu_check
-# 1. installs the carried wheels (.whl/*.whl, see ../shared/gpu/RECIPE.md) and the project itself
+# 1. installs the carried wheels (.whl/*.whl, see docs/cuda.md, "The one command") and the project itself
 #    (editable: its folders map into tokenbudget.* only through pyproject's package-dir), with
 #    --no-index: nothing is fetched, a missing wheel fails here with pip's message;
 # 2. on --device cuda checks that tokenbudget and flashinfer import, and sets the FlashInfer JIT
