@@ -103,8 +103,13 @@ def test_deterministic_mode_leaves_process_wide_cublas_flags_alone(monkeypatch):
     model = build_model(cfg, random_state_dict(cfg, seed=1))
     monkeypatch.setattr(deterministic, "triton_runnable_on", lambda device: True)
     flags = torch.backends.cuda.matmul
-    monkeypatch.setattr(flags, "allow_tf32", True)
-    monkeypatch.setattr(flags, "allow_bf16_reduced_precision_reduction", True)
-    assert deterministic.apply_deterministic_mode(model, "cuda")
-    assert flags.allow_tf32 and flags.allow_bf16_reduced_precision_reduction
+    # saved and restored by hand: these are properties served by the cuBLAS module's __getattr__,
+    # which pytest >= 9.2's monkeypatch takes for missing attributes (and deletes at teardown)
+    saved = flags.allow_tf32, flags.allow_bf16_reduced_precision_reduction
+    try:
+        flags.allow_tf32 = flags.allow_bf16_reduced_precision_reduction = True
+        assert deterministic.apply_deterministic_mode(model, "cuda")
+        assert flags.allow_tf32 and flags.allow_bf16_reduced_precision_reduction
+    finally:
+        flags.allow_tf32, flags.allow_bf16_reduced_precision_reduction = saved
     assert model.lm_head.invariant
