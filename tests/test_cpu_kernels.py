@@ -24,25 +24,13 @@ from tokenbudget.engine.model.quant import QuantLinear, quantize_model
 from tokenbudget.kernels.cpu import quant_gemm as cg
 
 import batch_schedules as tbi
-from native_variants import use_variant
+from native_variants import q4_weight, q8_weight, use_variant
 
 # Every linear's in_features a multiple of 32 and head_dim of 16: the C forward takes the model.
 CFG64 = ModelConfig(vocab_size=101, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                     rms_norm_eps=1e-5, tie_word_embeddings=True)
 
-
-def _q4(w: torch.Tensor) -> cg.Q4Weight:
-    n, k = w.shape
-    g = w.reshape(n, k // 32, 32)
-    lo, hi = g.amin(-1), g.amax(-1)
-    d = ((hi - lo) / 15).clamp(min=1e-12)
-    return cg.Q4Weight.from_codes(torch.round((g - lo[..., None]) / d[..., None]).clamp(0, 15).reshape(n, k), d, lo)
-
-
-def _q8(w: torch.Tensor) -> cg.Q8Weight:
-    s = w.abs().amax(1) / 127
-    return cg.Q8Weight.from_codes(torch.round(w / s[:, None]).clamp(-127, 127), s)
 
 
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
@@ -51,7 +39,7 @@ def _q8(w: torch.Tensor) -> cg.Q8Weight:
 def test_gemm_matches_reference_and_rows_are_invariant(variant, fmt, n, k, threads):
     g = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=g) * 0.05
-    weight, gemm = (_q4(w), cg.gemm_q4) if fmt == "q4" else (_q8(w), cg.gemm_q8)
+    weight, gemm = (q4_weight(w), cg.gemm_q4) if fmt == "q4" else (q8_weight(w), cg.gemm_q8)
     x = torch.randn(13, k, generator=g)  # 13 rows: a tile of 8 and one of 5
     x[3, 5] = 40.0  # an outlier only moves its own group's scale
     x[7] = 0.0      # an all-zero row (scale 0)
@@ -83,7 +71,7 @@ def test_activation_quantization_is_q8_per_group_of_32(variant):
 
 def test_q4_weight_keeps_gguf_q4_1_codes(variant):
     w = torch.randn(64, 128) * 0.1
-    weight = _q4(w)
+    weight = q4_weight(w)
     assert weight.packed.shape == (4, 4, 320) and weight.nbytes() == 64 * 128 * 5 // 8  # GGUF Q4_1's 5 bits
     assert (weight.dequantize() - w).abs().max() <= weight.scales_and_mins()[0].max() * 0.51
 
@@ -169,9 +157,9 @@ def test_variant_gemms_equal_the_scalar_ones_bitwise(variant, monkeypatch):
     g = torch.Generator().manual_seed(7)
     w = torch.randn(200, 320, generator=g) * 0.05
     x = torch.randn(11, 320, generator=g)
-    got = [cg.gemm_q4(x, _q4(w)), cg.gemm_q8(x, _q8(w))]
+    got = [cg.gemm_q4(x, q4_weight(w)), cg.gemm_q8(x, q8_weight(w))]
     use_variant("scalar", monkeypatch)
-    want = [cg.gemm_q4(x, _q4(w)), cg.gemm_q8(x, _q8(w))]
+    want = [cg.gemm_q4(x, q4_weight(w)), cg.gemm_q8(x, q8_weight(w))]
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 

@@ -23,7 +23,7 @@ from tokenbudget.kernels.cpu import native
 from tokenbudget.kernels.cpu import quant_gemm as cg
 from tokenbudget.kernels.cpu.decoder_forward import TbForward, TbLayer, TbLinear, tb_forward
 
-from native_variants import in_ci, use_variant
+from native_variants import in_ci, q4_weight, q8_weight, use_variant
 
 ROOT = Path(__file__).resolve().parents[1]
 CROSS_CC, QEMU, SYSROOT = "aarch64-linux-gnu-gcc", "qemu-aarch64", "/usr/aarch64-linux-gnu"
@@ -60,18 +60,6 @@ def _run(driver, mode: str, blobs: list, tmp_path: Path, count: int) -> np.ndarr
     return np.fromfile(dst, dtype=np.float32).reshape(2, count)
 
 
-def _q4(w: torch.Tensor) -> cg.Q4Weight:
-    n, k = w.shape
-    g = w.reshape(n, k // 32, 32)
-    lo, hi = g.amin(-1), g.amax(-1)
-    d = ((hi - lo) / 15).clamp(min=1e-12)
-    return cg.Q4Weight.from_codes(torch.round((g - lo[..., None]) / d[..., None]).clamp(0, 15).reshape(n, k), d, lo)
-
-
-def _q8(w: torch.Tensor) -> cg.Q8Weight:
-    s = w.abs().amax(1) / 127
-    return cg.Q8Weight.from_codes(torch.round(w / s[:, None]).clamp(-127, 127), s)
-
 
 def _linear_blobs(weight) -> list:
     fmt = 4 if isinstance(weight, cg.Q4Weight) else 8
@@ -96,7 +84,7 @@ def test_neon_gemm_matches_numpy_and_rows_are_invariant(driver, tmp_path, fmt, t
     w = torch.randn(n, k, generator=g) * 0.05
     x = torch.randn(m, k, generator=g)
     x[2] = 0.0
-    weight = _q4(w) if fmt == "q4" else _q8(w)
+    weight = q4_weight(w) if fmt == "q4" else q8_weight(w)
     lin = _linear_blobs(weight)
     got = _run(driver, "gemm", [np.array([int(fmt[1]), m, k, n, threads], np.int64), x.numpy(), lin[1], lin[2]],
                tmp_path, m * n)
@@ -150,7 +138,7 @@ def _reference_layer(x, norms, weights, cos, sin) -> np.ndarray:
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
 def test_neon_decoder_layer_matches_numpy_and_rows_are_invariant(driver, tmp_path, fmt, monkeypatch):
     g = torch.Generator().manual_seed(12)
-    quant = _q4 if fmt == "q4" else _q8
+    quant = q4_weight if fmt == "q4" else q8_weight
     shapes = [((HQ + 2 * HK) * D, H), (H, HQ * D), (2 * I, H), (H, I)]
     weights = [quant(torch.randn(*s, generator=g) * 0.1) for s in shapes]
     norms = [(1 + 0.1 * torch.randn(H, generator=g)).numpy() for _ in range(2)]
