@@ -10,10 +10,8 @@ import time
 
 import torch
 
-from tokenbudget.kernels.attention.selector import select_attention_backend
-
 from benches.gpu_spec import bench_verify, run_generation
-from benches.synthetic_model import SHAPES, OracleProposer, build_synthetic_engine, param_count
+from benches.synthetic_model import SHAPES, OracleProposer, apply_engine_modes, build_synthetic_engine, param_count
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -42,11 +40,7 @@ def build_engine(args, shape: str, deterministic: bool, **kw):
         raise ValueError(why)
     dev = torch.device(args.device)
     eng = build_synthetic_engine(shape, dev, args.dtype, kv_bytes=args.kv_mib << 20, **kw)
-    if deterministic:
-        from tokenbudget.engine.worker.deterministic import apply_deterministic_mode
-        apply_deterministic_mode(eng.model, dev)
-        eng.runner.attn_backend = select_attention_backend(dev, eng.runner.attn_backend.spec,
-                                                           deterministic=True)
+    apply_engine_modes(eng, deterministic=deterministic)
     return eng
 
 

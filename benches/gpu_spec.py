@@ -56,6 +56,7 @@ from benches.step_timer import StepTimer, sync  # noqa: E402
 from benches.synthetic_model import (  # noqa: E402
     SHAPES,
     OracleProposer,
+    apply_engine_modes,
     build_synthetic_engine,
     param_count,
 )
@@ -285,6 +286,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--attention", default="auto", choices=["auto", "torch_ref"],
                     help="torch_ref forces the reference attention (sets TOKENBUDGET_ATTENTION_BACKEND)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="EngineConfig(deterministic=True)'s transformations: batch-invariant GEMMs and one "
+                         "attention tile for every decode/verify")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="replay captured CUDA graphs for decode/verify steps (EngineConfig(cuda_graphs=True)); "
+                         "buckets k = 0 and max(--spec-ks)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
@@ -330,16 +337,20 @@ def main(argv: list[str] | None = None) -> dict:
         kv_bytes = 1 << 26
     eng = build_synthetic_engine(args.shape, device, dtype, kv_bytes=kv_bytes, max_num_seqs=max_seqs,
                                  max_num_batched_tokens=mnbt, block_size=args.block_size, seed=args.seed)
+    apply_engine_modes(eng, deterministic=args.deterministic, cuda_graphs=args.cuda_graphs,
+                       max_spec_tokens=max(spec_ks + [0]))
     sync(device)
     build_s = time.perf_counter() - t0
     info = {"shape": args.shape, "params_b": param_count(cfg) / 1e9, "device": _device_name(device),
             "dtype": dtype, "attention_backend": eng.runner.attn_backend.name,
             "kv_blocks": eng.scheduler.config.num_blocks, "kv_gib": kv_bytes / (1 << 30),
-            "block_size": args.block_size, "build_s": build_s, "args": vars(args),
+            "block_size": args.block_size, "build_s": build_s,
+            "deterministic": args.deterministic, "cuda_graphs": args.cuda_graphs, "args": vars(args),
             "machine": machine_info(torch.get_num_threads()),
             "date": time.strftime("%Y-%m-%d")}
     print(f"{args.shape}: {info['params_b']:.2f}B params on {info['device']} ({dtype}), attention "
-          f"{info['attention_backend']}, {info['kv_blocks']} KV blocks ({info['kv_gib']:.1f} GiB), "
+          f"{info['attention_backend']}, deterministic={args.deterministic}, cuda_graphs={args.cuda_graphs}, "
+          f"{info['kv_blocks']} KV blocks ({info['kv_gib']:.1f} GiB), "
           f"built in {build_s:.1f}s", flush=True)
 
     result = {"info": info, "verify_cost": [], "decode": [], "step_split": []}

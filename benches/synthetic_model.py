@@ -190,6 +190,28 @@ def build_synthetic_engine(shape: str | ModelConfig = "tiny", device: str | torc
     return eng
 
 
+def apply_engine_modes(eng: SyntheticEngine, *, deterministic: bool = False, cuda_graphs: bool = False,
+                       max_spec_tokens: int = 0) -> None:
+    """What ``EngineConfig(deterministic=..., cuda_graphs=...)`` does to a built engine, applied to
+    a synthetic one: deterministic mode's batch-invariant GEMMs and single attention tile, then the
+    CUDA-graph wrapper with buckets for k = 0 and ``max_spec_tokens`` (shorter drafts pad into it)."""
+    runner = eng.runner
+    if deterministic:
+        from tokenbudget.engine.worker.deterministic import apply_deterministic_mode
+        from tokenbudget.kernels.attention import select_attention_backend
+        apply_deterministic_mode(eng.model, eng.device)
+        runner.attn_backend = select_attention_backend(eng.device, runner.attn_backend.spec, deterministic=True)
+    if cuda_graphs:
+        from tokenbudget.engine.worker.cuda_graphs import CUDAGraphRunner
+        cfg = eng.scheduler.config
+        sizes = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= cfg.max_num_seqs)
+        ks = (0, max_spec_tokens) if max_spec_tokens else (0,)
+        graphs = CUDAGraphRunner(runner.model, runner.kv_caches, runner.attn_backend, batch_sizes=sizes,
+                                 draft_lens=ks, max_pages_per_req=-(-cfg.max_model_len // cfg.block_size))
+        graphs.capture()
+        runner.model = graphs
+
+
 class OracleProposer(BaseProposer):
     """Drafts the recorded greedy continuation; each token is right with probability ``acceptance``.
 
