@@ -120,3 +120,6 @@ def _check_spec_fits(spec, max_num_batched_tokens: int) -> None:
     if spec.method == "draft_model" and not os.path.exists(os.path.expanduser(spec.model)):
         raise ValueError(f"speculative_config['model'] {spec.model!r} does not exist: pass a .gguf file or an "
                          "HF directory")
+    if spec.method == "eagle3" and spec.model is not None and not os.path.isdir(os.path.expanduser(spec.model)):
+        raise ValueError(f"speculative_config.model: {spec.model!r} is not a directory: pass an EAGLE-3 head "
+                         "directory (config.json + *.safetensors), or omit it for the default model's head")

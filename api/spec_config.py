@@ -7,6 +7,7 @@ method exists here:
     {"method": "suffix", "num_speculative_tokens": 16}
     {"method": "draft_model", "model": "/path/to/draft", "num_speculative_tokens": 3}
     {"method": "self_draft", "draft_num_layers": 6, "num_speculative_tokens": "auto"}
+    {"method": "eagle3", "model": "/path/to/eagle3-head", "num_speculative_tokens": "auto"}
 
 Decisions (where vLLM is silent or arbitrary):
 
@@ -32,15 +33,16 @@ from typing import Any, Literal
 
 import msgspec
 
-Method = Literal["ngram", "suffix", "draft_model", "self_draft"]
-METHODS: tuple[str, ...] = ("ngram", "suffix", "draft_model", "self_draft")
+Method = Literal["ngram", "suffix", "draft_model", "self_draft", "eagle3"]
+METHODS: tuple[str, ...] = ("ngram", "suffix", "draft_model", "self_draft", "eagle3")
 # Per-step draft cap when num_speculative_tokens is left unset for a non-suffix method.
 DEFAULT_NUM_SPEC_TOKENS = 4
 # Upper bound of the adaptive controller for non-suffix methods under "auto".
 AUTO_MAX_SPEC_TOKENS = 8
 
 _METHOD_ALIASES = {"[ngram]": "ngram", "prompt_lookup": "ngram", "suffix_decoding": "suffix",
-                   "draft": "draft_model", "self_speculative": "self_draft"}
+                   "draft": "draft_model", "self_speculative": "self_draft",
+                   "eagle-3": "eagle3", "eagle_3": "eagle3"}
 _KEY_ALIASES = {
     "suffix_decoding_max_tree_depth": "suffix_max_tree_depth",
     "suffix_decoding_max_cached_requests": "suffix_max_cached_requests",
@@ -62,11 +64,13 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     """How to speculate. Safe to read anywhere once constructed (validated, immutable).
 
     method: "ngram" (prompt lookup), "suffix" (suffix decoding), "draft_model" (a separate small
-        model at ``model``), "self_draft" (the first ``draft_num_layers`` layers of the target).
+        model at ``model``), "self_draft" (the first ``draft_num_layers`` layers of the target),
+        "eagle3" (an EAGLE-3 draft head at ``model`` reading the target's hidden states; ``model``
+        omitted = the head shipped for the default model).
     num_speculative_tokens: drafts per request per step (>= 1), "auto", or None (method default).
     adaptive: alias for num_speculative_tokens="auto"; with an int, that int is the upper bound.
     prompt_lookup_min / prompt_lookup_max: n-gram sizes tried by "ngram", longest first.
-    model: draft model path ("draft_model").
+    model: draft model path ("draft_model"), EAGLE-3 head directory ("eagle3", optional).
     draft_num_layers: target layers used as the drafter ("self_draft").
     suffix_max_tree_depth: longest context suffix / continuation kept in suffix trees.
     suffix_max_cached_requests: finished requests kept in the global suffix cache (LRU);
@@ -199,8 +203,8 @@ def _validate_method(c: SpeculativeConfig) -> None:
         raise SpecConfigError("model", f"must be a non-empty path string, got {c.model!r}")
     if c.method == "draft_model" and c.model is None:
         raise SpecConfigError("model", "is required when method is 'draft_model'")
-    if c.method != "draft_model" and c.model is not None:
-        raise SpecConfigError("model", f"is only used by method 'draft_model', not {c.method!r}")
+    if c.method not in ("draft_model", "eagle3") and c.model is not None:
+        raise SpecConfigError("model", f"is only used by methods 'draft_model' and 'eagle3', not {c.method!r}")
     layers = c.draft_num_layers
     if layers is not None and (not _is_int(layers) or layers < 1):
         raise SpecConfigError("draft_num_layers", f"must be an integer >= 1, got {layers!r}")

@@ -16,6 +16,11 @@ state that outlives the step (beyond caches it can rebuild from the requests' to
 change undoable: ``rollback`` (the step failed) undoes what the last ``propose`` did, ``commit``
 (the step committed) makes it final. ``on_finished`` is called once when a request finishes or
 is aborted, after its step committed.
+
+Drafters that read the target's hidden states (EAGLE-3) get them in ``observe_target_states``,
+called in the commit with the committed step, its plan and the runner's ``aux_hidden_states``
+(the tap states of every row of the step, in the step's flat row order, or None); it must not
+raise (the commit cannot fail) and only keeps what the next ``propose`` needs.
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ class Proposer(Protocol):
         """The request finished or was aborted (free its state, feed a global cache)."""
         ...
 
+    def observe_target_states(self, sched: Any, plan: Any, aux_hidden_states: Any) -> None:
+        """The committed step's tap states (see the module doc)."""
+        ...
+
     def commit(self) -> None:
         ...
 
@@ -57,6 +66,9 @@ class BaseProposer:
         return None
 
     def on_finished(self, request: Request) -> None:
+        return None
+
+    def observe_target_states(self, sched: Any, plan: Any, aux_hidden_states: Any) -> None:
         return None
 
     def commit(self) -> None:

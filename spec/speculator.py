@@ -89,11 +89,14 @@ class Speculator:
         self._saved_controller = None
 
     def commit(self, plan: list[EngineCoreOutput], sched: SchedulerOutput | None = None,
-               step_seconds: float | None = None) -> None:
+               step_seconds: float | None = None, aux_hidden_states=None) -> None:
         """The step committed: record each request's verify; the step (``sched``) and its
-        measured ``step_seconds`` (when known) teach the controller's cost model."""
+        measured ``step_seconds`` (when known) teach the controller's cost model; the target's
+        tap states of the step (``aux_hidden_states``, EAGLE-3) go to the proposer."""
         if self.proposer is None:
             return
+        if sched is not None:
+            self.proposer.observe_target_states(sched, plan, aux_hidden_states)
         self.proposer.commit()
         self._saved_controller = None
         stats, controller = self.stats, self.controller

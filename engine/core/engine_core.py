@@ -210,11 +210,12 @@ class EngineCore:
                 scheduler.rollback_step(dirty)
             raise
         with deferred_sigint():
-            return self._commit(sched, plan, step_outputs)
+            return self._commit(sched, plan, step_outputs, getattr(result, "aux_hidden_states", None))
 
     def _commit(self, sched: SchedulerOutput, plan: list[EngineCoreOutput],
-                step_outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """Commit the step; its outputs with children's gathered into their parents'."""
+                step_outputs: list[RequestOutput], aux_hidden_states=None) -> list[RequestOutput]:
+        """Commit the step; its outputs with children's gathered into their parents'.
+        ``aux_hidden_states``: the target's tap states of the step's rows (EAGLE-3), or None."""
         try:
             finished = self.scheduler.apply_update(sched, plan)
             self.outputs.commit()
@@ -222,7 +223,7 @@ class EngineCore:
             self.num_generated_tokens += generated
             self.throughput.add(generated)
             self.structured.commit(plan)
-            self.speculator.commit(plan, sched, self._step_seconds())
+            self.speculator.commit(plan, sched, self._step_seconds(), aux_hidden_states)
             for request in finished:
                 self._release(request)
             return self.outputs.gather(step_outputs)

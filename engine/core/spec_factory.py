@@ -16,6 +16,9 @@ def build_proposer(config: SpeculativeConfig, max_model_len: int, target=None, s
     if config.method in ("draft_model", "self_draft"):
         from tokenbudget.engine.worker.draft_model import DraftModelProposer
         return DraftModelProposer.from_config(config, max_model_len, target, scheduler)
+    if config.method == "eagle3":
+        from tokenbudget.engine.worker.eagle3_build import build_eagle3_proposer
+        return build_eagle3_proposer(config, max_model_len, target, scheduler)
     raise ValueError(f"speculative_config['method'] {config.method!r} is not supported")
 
 

@@ -264,8 +264,8 @@ def load_eagle3(path: str, *, num_target_layers: int | None = None, device: str 
         raise ValueError(f"speculative_config.model: {path!r} has no .safetensors file")
     for name in files:
         state.update(load_file(os.path.join(path, name)))
-    state.pop("embed_tokens.weight", None)
     state = {k.removeprefix("model."): v for k, v in state.items()}
+    state.pop("embed_tokens.weight", None)
     head = Eagle3Head(config)
     if "d2t" not in state:
         state["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.int64)

@@ -27,19 +27,7 @@ When the drafter's KV is thrown away (``num_draft_computed = 0``):
 * preemption (``request.num_preemptions`` changed): the request's blocks were freed and it was
   recomputed into new ones.
 
-Sampling: each drafter row is first prepared like the target's (``logits_processing.
-prepare_logits``: bans, bias, logits processors, penalties, with the request's committed output
-plus the drafts so far as its context), so a drafter proposes what the request may produce.
-Greedy requests (``params.is_greedy``) take the drafter's argmax (ties: lowest id) and get no
-probabilities (greedy verification never reads q). Random requests draw from q = softmax of the
-prepared drafter logits processed with the request's own temperature / min-p / top-k / top-p
-(``logits_processing.compute_target_probs``, the same processing p gets) by the exponential
-race with keyed noise (``engine.worker.keyed_random``):
-* a request with a user seed uses the target's own noise for that position (stream TARGET), and
-  no probabilities are handed over: the sampler verifies it with the coupled rule (accept while
-  the draft equals the target's keyed sample), so its output is exactly plain decoding's;
-* other random requests use the drafter's stream (DRAFT) and hand q ([k, V] float32) to the
-  rejection sampler, which accepts more often; the output distribution is the target's.
+Sampling: ``engine.worker.draft_sampling`` (shared with the EAGLE-3 drafter).
 
 Transactions: ``propose`` records the drafter state of every request it touches; ``rollback``
 puts those records back (the drafter KV they describe was not overwritten: a step only writes
@@ -66,9 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenbudget.engine.worker.draft_runner import DraftRunner
-from tokenbudget.engine.worker.keyed_random import DRAFT, TARGET, keyed_exponential, race_argmax
-from tokenbudget.engine.worker.logits_processing import compute_target_probs, prepare_logits
-from tokenbudget.engine.worker.sampler import SamplingRow
+from tokenbudget.engine.worker.draft_sampling import sample_drafts, wants_probs
 from tokenbudget.scheduler.drafts import draft_limit
 from tokenbudget.scheduler.request import Request
 from tokenbudget.spec.proposer import BaseProposer
@@ -129,7 +115,7 @@ class DraftModelProposer(BaseProposer):
         active = [i for i, k in enumerate(ks) if k > 0]
         if active:
             for i in active:  # q only for rejection sampling (random requests without a user seed)
-                if _is_random(requests[i]) and requests[i].sampling_params.seed is None:
+                if wants_probs(requests[i]):
                     probs[i] = []
             self._catch_up(requests, active, drafts, probs)
             for j in range(1, max(ks[i] for i in active)):
@@ -138,7 +124,7 @@ class DraftModelProposer(BaseProposer):
                                             [drafts[i][-1]], self.kv.get_block_ids(requests[i].request_id),
                                             True) for i in rows]
                 self.num_draft_forward_tokens += len(rows)
-                self._sample(self.runner.forward(chunks), requests, rows, drafts, probs)
+                sample_drafts(self.runner.forward(chunks), requests, rows, drafts, probs)
             for i in active:
                 self._state[requests[i].request_id].num_computed = requests[i].num_tokens + ks[i] - 1
         self._probs = [torch.stack(p) if p else None for p in probs]
@@ -206,51 +192,8 @@ class DraftModelProposer(BaseProposer):
             self.num_catchup_tokens += sum(c.num_tokens for c in chunks)
             logits = self.runner.forward(chunks)
             if rows:
-                self._sample(logits, requests, rows, drafts, probs)
+                sample_drafts(logits, requests, rows, drafts, probs)
             todo = [i for i in todo if start[i] < requests[i].num_tokens]
-
-    def _sample(self, logits: torch.Tensor, requests, rows: list[int], drafts, probs) -> None:
-        """Append one draft per row (``logits[r]`` belongs to request ``rows[r]``)."""
-        logits = prepare_logits(logits, [_draft_row(requests[i], drafts[i]) for i in rows])
-        greedy = [r for r, i in enumerate(rows) if not _is_random(requests[i])]
-        if greedy:
-            idx = torch.tensor(greedy, dtype=torch.long, device=logits.device)
-            for r, t in zip(greedy, logits[idx].argmax(dim=-1).tolist()):
-                drafts[rows[r]].append(t)
-        rand = [r for r, i in enumerate(rows) if _is_random(requests[i])]
-        if not rand:
-            return
-        idx = torch.tensor(rand, dtype=torch.long, device=logits.device)
-        q = compute_target_probs(logits[idx], [requests[rows[r]].sampling_params for r in rand])
-        noise = []
-        for r in rand:
-            req = requests[rows[r]]
-            position = req.num_tokens + len(drafts[rows[r]])  # the index the draft will take
-            stream = TARGET if req.sampling_params.seed is not None else DRAFT
-            noise.append(keyed_exponential(req.seed, position, q.shape[1], q.device, stream))
-        for qi, (r, tok) in enumerate(zip(rand, race_argmax(q, torch.stack(noise)).tolist())):
-            i = rows[r]
-            drafts[i].append(tok)
-            if probs[i] is not None:
-                probs[i].append(q[qi])
-
-
-def _draft_row(request: Request, drafts: list[int]) -> SamplingRow:
-    """The row preparation context of the request's next draft (after ``drafts``)."""
-    params = request.sampling_params
-    banned = request.min_tokens_banned
-    if params is None or not (params.needs_row_preparation or banned):
-        return SamplingRow(params)
-    uses_prompt = params.repetition_penalty != 1.0 or params.logits_processors
-    return SamplingRow(params, num_output_tokens=request.num_output_tokens + len(drafts), banned_token_ids=banned,
-                       prompt_token_ids=request.prompt_token_ids if uses_prompt else (),
-                       output_token_ids=request.output_token_ids + drafts,
-                       bad_words_token_ids=request.bad_words_token_ids)
-
-
-def _is_random(request: Request) -> bool:
-    params = request.sampling_params
-    return params is not None and not params.is_greedy
 
 
 def _load_draft_model(path: str, target_config, max_model_len: int, common) -> DraftRunner:

@@ -1,0 +1,274 @@
+"""The EAGLE-3 drafter: the head of ``engine.model.eagle3`` with its own per-request KV, fed with
+the target's tap states of the verify/prefill pass that already ran.
+
+Positions. The head's row at position ``p`` reads the target's tap states at ``p`` (fused by
+``fc``) and the embedding of token ``p + 1`` and predicts token ``p + 2`` (vLLM's shift). A
+decoding request has ``L`` committed tokens and target KV for ``[0, L - 1)``; its head rows are
+run for every position ``p < L - 1`` whose tap states the target produced (a committed step's
+valid rows: a prefill chunk's, the verified position and the accepted drafts), and the row at
+``L - 2`` gives draft 1. Drafts 2..k come from k - 1 single-row steps at positions
+``L - 1 .. L + k - 3`` that read the previous step's pre-norm output as ``hidden`` and the previous
+draft's embedding; their K/V live only inside ``propose`` (the next step recomputes those
+positions from the target's own states, as vLLM does), so rejected drafts leave nothing behind.
+
+State per request (``_HeadState``, replaced field by field, never mutated in place, so a snapshot
+is a tuple of references): the head's K/V over the positions it ran, ``next_pos`` (every position
+below it was run or has no tap state), the committed tap rows not yet run (``pending``), and the
+last run row's output (``last_pos``, ``last_h``, ``last_logits``: draft 1 when nothing new came).
+
+Where tap states come from: ``observe_target_states`` (the commit) slices the runner's
+``aux_hidden_states`` per request and queues the valid rows; ``propose`` runs them. Positions the
+target did not compute have no tap states, and the head's attention simply skips them:
+* a prefix-cache hit (and the children 1..n-1 of an ``n > 1`` request, whose prompt comes from
+  child 0's cached blocks): the head's KV starts at the first computed position. Drafts are
+  weaker for those requests (less context), never wrong: verification decides;
+* preemption (recompute): rows for positions already queued or run are dropped (same committed
+  tokens, same states), so the head's KV survives a preemption unchanged.
+
+Transactions: ``propose`` records the state of every request it touches; ``rollback`` puts those
+records back, ``commit`` drops them. ``observe_target_states`` runs in the commit (slicing only,
+no model code). ``on_finished`` (the engine's one release path) drops the request's state.
+
+Logits: the head's draft-vocabulary logits are scattered into the target vocabulary through
+``d2t``; ids outside the draft vocabulary get ``OUTSIDE`` (finite, so a row the request's bans
+leave with only non-draft ids still has a token and is never taken for a request fault). Then the
+shared model-drafter sampling (``engine.worker.draft_sampling``): q for rejection sampling is the
+head's own distribution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokenbudget.engine.model.eagle3 import Eagle3Head
+from tokenbudget.engine.worker.draft_sampling import sample_drafts, wants_probs
+from tokenbudget.scheduler.drafts import draft_limit
+from tokenbudget.scheduler.request import Request
+from tokenbudget.spec.proposer import BaseProposer
+
+OUTSIDE = -1e30  # logit of a target id outside the draft vocabulary
+MAX_PENDING_ROWS = 8192  # committed tap rows kept per request before the oldest are dropped
+
+
+@dataclass(slots=True)
+class _HeadState:
+    k: torch.Tensor                    # [n, kv_heads, D] (after RoPE), positions in increasing order
+    v: torch.Tensor
+    next_pos: int = 0                  # positions < next_pos: run, or without tap states
+    pending: tuple = ()                # ((first position, aux rows [m, 3 * H_t]), ...) not yet run
+    last_pos: int = -1                 # position of the last row run
+    last_h: torch.Tensor | None = None       # its pre-norm output [H]
+    last_logits: torch.Tensor | None = None  # its draft logits [V_draft]
+
+    def snapshot(self) -> tuple:
+        return (self.k, self.v, self.next_pos, self.pending, self.last_pos, self.last_h, self.last_logits)
+
+    @property
+    def covered(self) -> int:
+        """Positions below this are run or queued."""
+        if self.pending:
+            start, rows = self.pending[-1]
+            return start + rows.shape[0]
+        return self.next_pos
+
+
+class Eagle3Proposer(BaseProposer):
+    """Drafts with an :class:`Eagle3Head` over the target's embedding (``embed [V, H]``)."""
+
+    def __init__(self, head: Eagle3Head, embed: torch.Tensor, max_model_len: int,
+                 max_batch_tokens: int = 2048, taps=None) -> None:
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        self.head = head
+        self.embed = embed
+        self.max_model_len = max_model_len
+        self.max_batch_tokens = max_batch_tokens
+        self.taps = taps  # temporary: engine.worker.aux_taps where the model has no set_aux_layers
+        c = head.config
+        w = head.fc.weight
+        self.dtype, self.device = w.dtype, w.device
+        self._empty_kv = torch.zeros((0, c.num_key_value_heads, c.head_dim), dtype=self.dtype, device=self.device)
+        self._target_ids = head.to_target_ids(torch.arange(c.draft_vocab_size, device=self.device))
+        self._state: dict[str, _HeadState] = {}
+        self._undo: dict[str, tuple | None] = {}
+        self._probs: list[torch.Tensor | None] | None = None
+        # Counters (tests, benchmarks): head rows run over target states / from its own outputs.
+        self.num_catchup_tokens = 0
+        self.num_draft_forward_tokens = 0
+
+    # ---- the step's end: tap states of the committed step ----
+    def observe_target_states(self, sched, plan, aux_hidden_states) -> None:
+        aux = aux_hidden_states
+        if aux is None and self.taps is not None:
+            aux = self.taps.take(sum(len(sr.token_ids) + len(sr.spec_token_ids) for sr in sched.scheduled))
+        if aux is None:
+            return
+        off = 0
+        for sr, entry in zip(sched.scheduled, plan):
+            m = len(sr.token_ids) + len(sr.spec_token_ids)
+            valid = min(m, len(sr.token_ids) + entry.num_accepted_tokens)
+            rows, start, off = aux[off:off + valid], sr.num_computed_tokens, off + m
+            st = self._state.get(sr.request_id)
+            if st is None:
+                st = self._state[sr.request_id] = _HeadState(self._empty_kv, self._empty_kv)
+            skip = max(0, st.covered - start)  # a recompute after preemption: those rows are queued or run
+            if skip >= valid:
+                continue
+            pending = st.pending + ((start + skip, rows[skip:]),)
+            while sum(r.shape[0] for _, r in pending) > MAX_PENDING_ROWS:  # a long stretch without drafting
+                pending = pending[1:]
+            st.pending = pending
+
+    # ---- Proposer interface ----
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
+        if len(requests) != len(num_tokens):
+            raise ValueError(f"num_tokens has {len(num_tokens)} entries for {len(requests)} requests")
+        drafts: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor] | None] = [[] if wants_probs(r) else None for r in requests]
+        ks = [draft_limit(r, self.max_model_len, k) for r, k in zip(requests, num_tokens)]
+        active = [i for i, k in enumerate(ks) if k > 0]
+        states = {i: self._state_of(requests[i]) for i in active}
+        self._catch_up(requests, states)
+        # Draft 1 from the row at L - 2 (a request whose last committed position has no tap
+        # state gets no drafts this step: never wrong, and rare).
+        active = [i for i in active if states[i].last_pos == requests[i].num_tokens - 2]
+        if active:
+            logits = torch.stack([states[i].last_logits for i in active])
+            sample_drafts(self._target_logits(logits), requests, active, drafts, probs)
+            hidden = {i: states[i].last_h for i in active}
+            extra_k: dict[int, list[torch.Tensor]] = {i: [] for i in active}
+            extra_v: dict[int, list[torch.Tensor]] = {i: [] for i in active}
+            for j in range(1, max(ks[i] for i in active)):
+                rows = [i for i in active if ks[i] > j]
+                tokens = torch.tensor([drafts[i][-1] for i in rows], dtype=torch.long, device=self.device)
+                positions = torch.tensor([requests[i].num_tokens - 2 + j for i in rows], device=self.device)
+                segments = [(torch.cat([states[i].k, *extra_k[i]]), torch.cat([states[i].v, *extra_v[i]]))
+                            for i in rows]
+                new_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+                h, out = self.head(self.embed[tokens].to(self.dtype), torch.stack([hidden[i] for i in rows]),
+                                   positions, _segment_attend(segments, [1] * len(rows), new_kv))
+                for r, i in enumerate(rows):
+                    hidden[i] = h[r]
+                    extra_k[i].append(new_kv[r][0])
+                    extra_v[i].append(new_kv[r][1])
+                self.num_draft_forward_tokens += len(rows)
+                sample_drafts(self._target_logits(out), requests, rows, drafts, probs)
+        self._probs = [torch.stack(p) if p else None for p in probs]
+        return drafts
+
+    def take_draft_probs(self) -> list[torch.Tensor | None] | None:
+        """Per request of the last ``propose``: q ``[len(drafts), V]`` float32, or None. Handed over once."""
+        probs, self._probs = self._probs, None
+        return probs
+
+    def on_finished(self, request: Request) -> None:
+        self._state.pop(request.request_id, None)
+        self._undo.pop(request.request_id, None)
+
+    def commit(self) -> None:
+        self._undo.clear()
+
+    def rollback(self) -> None:
+        for rid, saved in self._undo.items():
+            if saved is None:
+                self._state.pop(rid, None)
+            else:
+                self._state[rid] = _HeadState(*saved)
+        self._undo.clear()
+        self._probs = None
+
+    @property
+    def num_tracked_requests(self) -> int:
+        return len(self._state)
+
+    # ---- internals ----
+    def _state_of(self, request: Request) -> _HeadState:
+        rid = request.request_id
+        st = self._state.get(rid)
+        if rid not in self._undo:
+            self._undo[rid] = None if st is None else st.snapshot()
+        if st is None:
+            st = self._state[rid] = _HeadState(self._empty_kv, self._empty_kv)
+        return st
+
+    def _catch_up(self, requests: Sequence[Request], states: dict[int, _HeadState]) -> None:
+        """Run every queued tap row of ``states`` (rounds of at most ``max_batch_tokens`` rows;
+        each round one head forward over all requests' pieces)."""
+        queue = [(i, start, rows) for i, st in states.items() for start, rows in st.pending]
+        for st in states.values():
+            st.pending = ()
+        while queue:
+            budget, round_ = self.max_batch_tokens, []
+            while queue and budget > 0:
+                i, start, rows = queue[0]
+                n = min(rows.shape[0], budget)
+                round_.append((i, start, rows[:n]))
+                if n == rows.shape[0]:
+                    queue.pop(0)
+                else:
+                    queue[0] = (i, start + n, rows[n:])
+                budget -= n
+            self._run_round(requests, states, round_)
+
+    def _run_round(self, requests: Sequence[Request], states: dict[int, _HeadState], pieces) -> None:
+        ids, hidden, positions, segments, lengths = [], [], [], [], []
+        for i, start, rows in pieces:
+            st = states[i]
+            st.next_pos = max(st.next_pos, start)  # a gap: positions without tap states
+            n = rows.shape[0]
+            req_tokens = requests[i].all_token_ids
+            ids.append(torch.tensor(req_tokens[start + 1:start + 1 + n], dtype=torch.long))
+            positions.append(torch.arange(start, start + n))
+            hidden.append(rows)
+            segments.append((st.k, st.v))
+            lengths.append(n)
+        new_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        head = self.head
+        fused = head.fuse(torch.cat(hidden).to(device=self.device, dtype=self.dtype))
+        h, logits = head(self.embed[torch.cat(ids).to(self.device)].to(self.dtype), fused,
+                         torch.cat(positions).to(self.device), _segment_attend(segments, lengths, new_kv))
+        self.num_catchup_tokens += h.shape[0]
+        end = 0
+        for (i, start, rows), (k, v) in zip(pieces, new_kv):
+            st = states[i]
+            n = rows.shape[0]
+            end += n
+            st.k, st.v = torch.cat([st.k, k]), torch.cat([st.v, v])
+            st.next_pos = start + n
+            st.last_pos, st.last_h, st.last_logits = start + n - 1, h[end - 1], logits[end - 1]
+
+    def _target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """``[T, V_draft]`` -> fp32 ``[T, V]`` (``OUTSIDE`` where the draft vocabulary has no id)."""
+        out = torch.full((draft_logits.shape[0], self.head.config.vocab_size), OUTSIDE,
+                         dtype=torch.float32, device=draft_logits.device)
+        out[:, self._target_ids] = draft_logits.to(torch.float32)
+        return out
+
+
+def _segment_attend(segments, lengths: list[int], new_kv: list):
+    """``attend`` for rows grouped by request: segment ``s`` has ``lengths[s]`` new rows (in
+    position order) that see that request's cached ``segments[s] = (K, V)`` and, causally, each
+    other. Appends each segment's new ``(k, v)`` to ``new_kv``."""
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        heads, d = q.shape[1], q.shape[2]
+        rep = heads // k.shape[1]
+        outs, at = [], 0
+        for (ck, cv), n in zip(segments, lengths):
+            qs, ks, vs = q[at:at + n], k[at:at + n], v[at:at + n]
+            at += n
+            new_kv.append((ks, vs))
+            kk = torch.cat([ck, ks]).repeat_interleave(rep, dim=1).transpose(0, 1)
+            vv = torch.cat([cv, vs]).repeat_interleave(rep, dim=1).transpose(0, 1)
+            c = ck.shape[0]
+            mask = None
+            if n > 1:
+                mask = torch.ones((n, c + n), dtype=torch.bool, device=q.device).tril(diagonal=c)
+            o = F.scaled_dot_product_attention(qs.transpose(0, 1), kk, vv, attn_mask=mask)
+            outs.append(o.transpose(0, 1).reshape(n, heads * d))
+        return torch.cat(outs)
+    return attend
