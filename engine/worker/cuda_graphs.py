@@ -109,6 +109,17 @@ class CUDAGraphRunner:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
 
+    @property
+    def aux_layers(self) -> None:
+        return None  # set_aux_layers refuses: no graph keeps the taps
+
+    def set_aux_layers(self, ids) -> None:
+        """EAGLE-3 taps (``engine/model/aux_states.py``) are not kept by captured graphs:
+        ValueError naming ``cuda_graphs`` for any taps; None is a no-op."""
+        if ids is not None and tuple(ids):
+            raise ValueError("cuda_graphs: the CUDA graph runner does not keep aux hidden states "
+                             "(EAGLE-3 taps); run the target without cuda_graphs")
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         if kv_caches is not self.kv_caches:

@@ -304,7 +304,10 @@ typedef struct {
 
 /* One call. x [T][H] (in: embeddings; out: the last layer's residual stream, before the final
  * norm), cos/sin [max_pos][D], positions/slots [T], row_ctx [T] (context length incl. the row
- * itself), row_req [T] (the row's request), block_tables [B][max_blocks]. */
+ * itself), row_req [T] (the row's request), block_tables [B][max_blocks]. Taps (EAGLE-3's
+ * auxiliary hidden states, engine/model/aux_states.py): for j < num_aux, the residual stream at
+ * the input of layer aux_layers[j] is copied to aux [T][num_aux][H] at [r][j]; num_aux = 0 (aux
+ * and aux_layers null) taps nothing, and the taps never change x. */
 typedef struct {
     int64_t num_tokens, hidden, num_heads, num_kv_heads, head_dim, intermediate, num_layers, block_size, max_blocks,
         num_threads;
@@ -315,7 +318,16 @@ typedef struct {
     const float *cos, *sin;
     const int64_t *slots;
     const int32_t *row_ctx, *row_req, *block_tables;
+    int64_t num_aux;
+    const int64_t *aux_layers;
+    float *aux;
 } TbForward;
+
+/* The rows of x into tap slot j of aux (a copy: same bits). */
+static void tap_rows(const TbForward *a, int64_t j) {
+    const int64_t t = a->num_tokens, h = a->hidden, n = a->num_aux;
+    for (int64_t r = 0; r < t; r++) memcpy(a->aux + (r * n + j) * h, a->x + r * h, h * sizeof(float));
+}
 
 
 /* 0, or -1 when out of memory. */
@@ -343,6 +355,8 @@ int tb_forward(const TbForward *a) {
         const float *in_norm = layer->input_norm, *post_norm = layer->post_norm;
         float *kv = layer->kv;
         const Lin *lqkv = &layer->qkv, *lo = &layer->o, *lgu = &layer->gate_up, *ldn = &layer->down;
+        for (int64_t j = 0; j < a->num_aux; j++)
+            if (a->aux_layers[j] == l) tap_rows(a, j);
 #pragma omp parallel for num_threads(par_rows) schedule(static)
         for (int64_t r = 0; r < t; r++) rms_norm_row(x + r * h, in_norm, h, dm.eps, hs + r * h);
         rc |= tb_linear(lqkv, hs, t, h, qkvn, qkv, 0, nthreads, &rows);

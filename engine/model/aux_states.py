@@ -1,0 +1,45 @@
+"""Auxiliary hidden states: the target's residual stream at chosen layers, kept from a forward.
+
+EAGLE-3 heads read, at every position, the target's hidden states at three layers of the forward
+that already runs (prefill chunks, decodes, verifies). ``set_aux_layers(ids)`` on a model object
+(``LlamaForCausalLM``, ``CpuForwardModel``; the CUDA graph wrapper refuses) makes each forward
+also leave ``aux_hidden_states``: ``[T, len(ids) * hidden]`` float32 on the model's device, for
+the T real (unpadded) rows of the forward in its input order, tap ``ids[j]`` in columns
+``[j * hidden, (j + 1) * hidden)``.
+
+Tap id ``i`` is the residual stream at the INPUT of decoder layer ``i`` (the output of layer
+``i - 1``; 0 is the token embedding): HF ``output_hidden_states[i]``, and what vLLM's EAGLE-3
+target keeps (``hidden_states + residual`` before layer ``i``), so published heads read the
+states they were trained on. ``i`` ranges over ``[0, num_layers)``: HF's entry ``num_layers`` is
+after the final norm, which no head reads.
+
+The states are recomputed by every forward (nothing carries over between steps, so a rolled-back
+or retried step recomputes them) and set to None when a forward starts, so a forward that raises
+leaves none behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def check_aux_layers(ids: Iterable[int] | None, num_layers: int) -> tuple[int, ...] | None:
+    """``ids`` as a tuple of distinct layer indices in ``[0, num_layers)``; None (or empty) = no taps.
+    ValueError naming ``aux_layers`` otherwise."""
+    if ids is None:
+        return None
+    try:
+        taps = tuple(ids)
+    except TypeError:
+        raise ValueError(f"aux_layers: expected a sequence of layer indices or None, got {ids!r}") from None
+    if not taps:
+        return None
+    for i in taps:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers:
+            raise ValueError(f"aux_layers: {i!r} is not a decoder layer index in [0, {num_layers})")
+    if len(set(taps)) != len(taps):
+        raise ValueError(f"aux_layers: repeated layer index in {taps}")
+    return taps
+
+
+__all__ = ["check_aux_layers"]
