@@ -210,7 +210,7 @@ class EngineCore:
                 scheduler.rollback_step(dirty)
             raise
         with deferred_sigint():
-            return self._commit(sched, plan, step_outputs, getattr(result, "aux_hidden_states", None))
+            return self._commit(sched, plan, step_outputs, result.aux_hidden_states)
 
     def _commit(self, sched: SchedulerOutput, plan: list[EngineCoreOutput],
                 step_outputs: list[RequestOutput], aux_hidden_states=None) -> list[RequestOutput]:

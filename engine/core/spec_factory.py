@@ -5,8 +5,9 @@ from __future__ import annotations
 from tokenbudget.api.spec_config import SpeculativeConfig
 
 
-def build_proposer(config: SpeculativeConfig, max_model_len: int, target=None, scheduler=None):
-    """Model drafters need the engine's ``TargetModel`` and ``Scheduler`` (KV block tables)."""
+def build_proposer(config: SpeculativeConfig, max_model_len: int, target=None, scheduler=None, runner=None):
+    """Model drafters need the engine's ``TargetModel`` and ``Scheduler`` (KV block tables); the
+    EAGLE-3 drafter also the ``ModelRunner`` (it switches the target's tap states on)."""
     if config.method == "ngram":
         from tokenbudget.spec.ngram import NgramProposer
         return NgramProposer.from_config(config, max_model_len)
@@ -18,7 +19,7 @@ def build_proposer(config: SpeculativeConfig, max_model_len: int, target=None, s
         return DraftModelProposer.from_config(config, max_model_len, target, scheduler)
     if config.method == "eagle3":
         from tokenbudget.engine.worker.eagle3_build import build_eagle3_proposer
-        return build_eagle3_proposer(config, max_model_len, target, scheduler)
+        return build_eagle3_proposer(config, max_model_len, target, scheduler, runner)
     raise ValueError(f"speculative_config['method'] {config.method!r} is not supported")
 
 

@@ -9,8 +9,9 @@ is a ``ValueError`` naming ``speculative_config.model`` before anything runs: th
 hidden size (the tap states), its ``hidden_size`` against the target's embedding (shared), its tap
 layers against the target's depth.
 
-The target's tap layers are switched on here (``set_aux_layers`` on the target's model object,
-where the model has it; until then, ``engine.worker.aux_taps``).
+The target's tap layers are switched on here, on the engine's runner (``ModelRunner.
+set_aux_layers``: its steps then return ``aux_hidden_states``; the CUDA graph wrapper refuses,
+naming ``cuda_graphs``).
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def resolve_head_path(model: str | None, target_source: str) -> str:
     return path
 
 
-def build_eagle3_proposer(spec_config, max_model_len: int, target, scheduler) -> Eagle3Proposer:
-    if target is None or scheduler is None:
+def build_eagle3_proposer(spec_config, max_model_len: int, target, scheduler, runner) -> Eagle3Proposer:
+    if target is None or scheduler is None or runner is None:
         raise ValueError("speculative_config['method'] 'eagle3' needs the loaded target model")
     tcfg = target.config
     path = resolve_head_path(spec_config.model, target.source)
@@ -62,11 +63,5 @@ def build_eagle3_proposer(spec_config, max_model_len: int, target, scheduler) ->
                          f"has {tcfg.num_hidden_layers}")
     if c.max_position_embeddings < max_model_len:  # RoPE is a formula: extend the table
         head._rope = RotaryTable(c.head_dim, c.rope_theta, None, max_model_len, head.fc.weight.dtype, target.device)
-    model = target.model
-    taps = None
-    if hasattr(model, "set_aux_layers"):
-        model.set_aux_layers(tuple(c.aux_layer_ids))
-    else:
-        from tokenbudget.engine.worker.aux_taps import AuxTaps
-        taps = AuxTaps(model, tuple(c.aux_layer_ids))
-    return Eagle3Proposer(head, model.embed, max_model_len, scheduler.config.max_num_batched_tokens, taps)
+    runner.set_aux_layers(tuple(c.aux_layer_ids))
+    return Eagle3Proposer(head, target.model.embed, max_model_len, scheduler.config.max_num_batched_tokens)

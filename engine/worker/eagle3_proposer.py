@@ -80,14 +80,13 @@ class Eagle3Proposer(BaseProposer):
     """Drafts with an :class:`Eagle3Head` over the target's embedding (``embed [V, H]``)."""
 
     def __init__(self, head: Eagle3Head, embed: torch.Tensor, max_model_len: int,
-                 max_batch_tokens: int = 2048, taps=None) -> None:
+                 max_batch_tokens: int = 2048) -> None:
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.head = head
         self.embed = embed
         self.max_model_len = max_model_len
         self.max_batch_tokens = max_batch_tokens
-        self.taps = taps  # temporary: engine.worker.aux_taps where the model has no set_aux_layers
         c = head.config
         w = head.fc.weight
         self.dtype, self.device = w.dtype, w.device
@@ -103,14 +102,12 @@ class Eagle3Proposer(BaseProposer):
     # ---- the step's end: tap states of the committed step ----
     def observe_target_states(self, sched, plan, aux_hidden_states) -> None:
         aux = aux_hidden_states
-        if aux is None and self.taps is not None:
-            aux = self.taps.take(sum(len(sr.token_ids) + len(sr.spec_token_ids) for sr in sched.scheduled))
-        if aux is None:
-            return
+        if aux is None or aux.shape[0] != sum(len(sr.token_ids) for sr in sched.scheduled):
+            return  # no tap states (a runner without taps): the head skips these positions
         off = 0
         for sr, entry in zip(sched.scheduled, plan):
-            m = len(sr.token_ids) + len(sr.spec_token_ids)
-            valid = min(m, len(sr.token_ids) + entry.num_accepted_tokens)
+            m = len(sr.token_ids)  # the committed tokens of the chunk, then the drafts
+            valid = m - len(sr.spec_token_ids) + entry.num_accepted_tokens
             rows, start, off = aux[off:off + valid], sr.num_computed_tokens, off + m
             st = self._state.get(sr.request_id)
             if st is None:
@@ -197,22 +194,30 @@ class Eagle3Proposer(BaseProposer):
         return st
 
     def _catch_up(self, requests: Sequence[Request], states: dict[int, _HeadState]) -> None:
-        """Run every queued tap row of ``states`` (rounds of at most ``max_batch_tokens`` rows;
-        each round one head forward over all requests' pieces)."""
-        queue = [(i, start, rows) for i, st in states.items() for start, rows in st.pending]
-        for st in states.values():
+        """Run every queued tap row of ``states`` in rounds of at most ``max_batch_tokens`` rows,
+        each round one head forward over one piece per request (a piece sees the request's K/V
+        from earlier rounds, so a request's pieces never share a round)."""
+        queue: list[tuple[int, int, torch.Tensor]] = []
+        for i, st in states.items():
+            for start, rows in st.pending:
+                if queue and queue[-1][0] == i and queue[-1][1] + queue[-1][2].shape[0] == start:
+                    queue[-1] = (i, queue[-1][1], torch.cat([queue[-1][2], rows]))  # contiguous: one piece
+                else:
+                    queue.append((i, start, rows))
             st.pending = ()
         while queue:
-            budget, round_ = self.max_batch_tokens, []
-            while queue and budget > 0:
-                i, start, rows = queue[0]
+            budget, round_, later, taken = self.max_batch_tokens, [], [], set()
+            for i, start, rows in queue:
+                if budget <= 0 or i in taken:
+                    later.append((i, start, rows))
+                    continue
                 n = min(rows.shape[0], budget)
                 round_.append((i, start, rows[:n]))
-                if n == rows.shape[0]:
-                    queue.pop(0)
-                else:
-                    queue[0] = (i, start + n, rows[n:])
+                taken.add(i)
                 budget -= n
+                if n < rows.shape[0]:
+                    later.append((i, start + n, rows[n:]))
+            queue = later
             self._run_round(requests, states, round_)
 
     def _run_round(self, requests: Sequence[Request], states: dict[int, _HeadState], pieces) -> None:

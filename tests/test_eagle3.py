@@ -1,0 +1,286 @@
+"""The EAGLE-3 drafter (engine/worker/eagle3_proposer.py) on a tiny random target with random heads
+written in the published layout: losslessness under chunked prefill, preemption, prefix caching,
+n > 1, structured output and sampling; the head's own KV against a from-scratch reference; the
+step transaction (rollback) and the one release path; the loader and the validation errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from tokenbudget.api.sampling_params import SamplingParams
+from tokenbudget.api.structured_params import StructuredOutputsParams
+from tokenbudget.engine.entrypoints.llm import LLM
+from tokenbudget.engine.model.eagle3 import load_eagle3, save_eagle3
+from tokenbudget.testing.faults import FaultInjectingRunner, FaultPlan
+
+from eagle3_fixtures import AUX_IDS, DRAFT_VOCAB, make_target, random_head, reference_drafts, write_head
+from tiny_llama import VOCAB
+
+PROMPTS = ["hello world, hello world, hello", "abcabcabcabc", "The quick brown fox",
+           "x" * 40 + " then some more text to make this prompt a good deal longer than the others"]
+
+
+def engine(target, spec=None, **opts) -> LLM:
+    opts.setdefault("kv_cache_memory_bytes", 4 << 20)
+    opts.setdefault("num_threads", 1)
+    return LLM(str(target), speculative_config=spec, **opts)
+
+
+def eagle(head_dir, k=3) -> dict:
+    return {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": k}
+
+
+def greedy(max_tokens: int = 24, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def token_ids(llm: LLM, prompts, params) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def kv_bytes(target, blocks: int, block_size: int = 8) -> int:
+    with open(os.path.join(target, "config.json")) as f:
+        c = json.load(f)
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    return blocks * c["num_hidden_layers"] * 2 * block_size * c["num_key_value_heads"] * head_dim * 4
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle3")
+    target = make_target(root / "target")
+    return {"root": root, "target": target, "head": write_head(root / "head", random_head(0))}
+
+
+@pytest.fixture(scope="module")
+def baseline(dirs):
+    return token_ids(engine(dirs["target"]), PROMPTS, greedy())
+
+
+def stressed(dirs, blocks: int, **opts) -> dict:
+    """A KV pool of ``blocks`` blocks of 8 (preemption) and an 8-token step budget (chunked prefill)."""
+    return dict(kv_cache_memory_bytes=kv_bytes(dirs["target"], blocks), block_size=8, max_num_batched_tokens=8,
+                **opts)
+
+
+def test_greedy_equals_plain_decoding(dirs, baseline) -> None:
+    llm = engine(dirs["target"], eagle(dirs["head"]))
+    assert token_ids(llm, PROMPTS, greedy()) == baseline
+    stats = llm.get_spec_stats()
+    assert stats.num_draft_tokens > 0
+    proposer = llm.engine.speculator.proposer
+    assert proposer.num_catchup_tokens > 0 and proposer.num_draft_forward_tokens > 0
+    assert proposer.num_tracked_requests == 0  # released on the one release path
+    llm.engine.core.scheduler.check_integrity()
+
+
+def test_lossless_under_chunking_preemption_and_prefix_hits(dirs) -> None:
+    prompts = [f"prompt number {i}: " + "ab" * (3 + 2 * i) for i in range(4)] * 2  # repeats: cache hits
+    want = token_ids(engine(dirs["target"]), prompts, greedy(32))
+    llm = engine(dirs["target"], eagle(dirs["head"]), **stressed(dirs, 12))
+    assert token_ids(llm, prompts, greedy(32)) == want
+    sched = llm.engine.core.scheduler
+    assert sched.num_preemptions > 0 and sched.kv.prefix_hits > 0
+    assert llm.get_spec_stats().num_draft_tokens > 0
+    assert llm.engine.speculator.proposer.num_tracked_requests == 0
+    sched.check_integrity()
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_head_kv_matches_a_from_scratch_reference(dirs) -> None:
+    """Greedy equality cannot see a wrong head KV (verification repairs any draft); the drafts
+    can: under chunked prefill and preemption (no prefix cache, so every position has its tap
+    states) every draft equals the head run from scratch on HF's hidden states, and draft 1's
+    logits match."""
+    head = load_eagle3(dirs["head"])
+    hf = transformers.LlamaForCausalLM.from_pretrained(dirs["target"]).eval()
+    llm = engine(dirs["target"], eagle(dirs["head"], k=3), **stressed(dirs, 12, enable_prefix_caching=False))
+    proposer = llm.engine.speculator.proposer
+    seen = []
+    inner = proposer.propose
+
+    def recording(requests, num_tokens):
+        drafts = inner(requests, num_tokens)
+        for r, d in zip(requests, drafts):
+            if d:
+                seen.append((list(r.all_token_ids), d, proposer._state[r.request_id].last_logits.clone()))
+        return drafts
+
+    proposer.propose = recording
+    prompts = [f"prompt number {i}: " + "ab" * (3 + 2 * i) for i in range(4)]
+    token_ids(llm, prompts, greedy(24))
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    assert len(seen) > 20
+    for tokens, drafts, logits in seen:
+        want, want_logits = reference_drafts(hf, head, tokens, len(drafts))
+        assert drafts == want
+        assert float((logits - want_logits).abs().max()) <= 1e-3 * float(want_logits.abs().max())
+
+
+def test_n_greater_than_one_and_structured_output(dirs) -> None:
+    base = engine(dirs["target"])
+    llm = engine(dirs["target"], eagle(dirs["head"]))
+    params = greedy(16, n=3)
+    assert [[list(c.token_ids) for c in o.outputs] for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)] == \
+           [[list(c.token_ids) for c in o.outputs] for o in base.generate(PROMPTS[:2], params, use_tqdm=False)]
+    so = greedy(20, structured_outputs=StructuredOutputsParams(regex=r"(ab|ba)+c"))
+    assert token_ids(llm, PROMPTS[:2], so) == token_ids(base, PROMPTS[:2], so)
+    assert llm.engine.speculator.proposer.num_tracked_requests == 0
+
+
+def test_sampled_requests(dirs) -> None:
+    """Seeded: the coupled rule makes the output exactly plain decoding's. Unseeded: q (the head's
+    own distribution over the target vocabulary, zero outside the draft vocabulary) goes to the
+    rejection sampler."""
+    seeded = [SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=s, ignore_eos=True) for s in range(4)]
+    llm = engine(dirs["target"], eagle(dirs["head"]))
+    assert token_ids(llm, PROMPTS, seeded) == token_ids(engine(dirs["target"]), PROMPTS, seeded)
+    proposer = llm.engine.speculator.proposer
+    handed = []
+    inner = proposer.take_draft_probs
+
+    def recording():
+        probs = inner()
+        handed.extend(p for p in probs or [] if p is not None)
+        return probs
+
+    proposer.take_draft_probs = recording
+    out = token_ids(llm, PROMPTS, SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True))
+    assert all(len(t) == 16 for t in out)
+    assert handed
+    in_vocab = load_eagle3(dirs["head"]).t2d
+    for q in handed:
+        assert q.shape[1] == VOCAB
+        torch.testing.assert_close(q.sum(dim=1), torch.ones(q.shape[0]))
+        assert float(q[:, ~in_vocab].sum()) == 0.0
+
+
+def test_failed_step_rolls_the_head_state_back(dirs, baseline) -> None:
+    llm = engine(dirs["target"], eagle(dirs["head"]))
+    core = llm.engine.core
+    proposer = core.speculator.proposer
+    before: dict = {}
+    restored = []
+    speculator = core.speculator
+    inner_propose, inner_rollback = speculator.propose, proposer.rollback
+
+    def propose(*args, **kwargs):  # every attempt starts here
+        before.clear()
+        before.update({rid: st.snapshot() for rid, st in proposer._state.items()})
+        return inner_propose(*args, **kwargs)
+
+    def rollback():
+        inner_rollback()
+        now = {rid: st.snapshot() for rid, st in proposer._state.items()}
+        assert now.keys() == before.keys()
+        assert all(a is b for rid in now for a, b in zip(now[rid], before[rid]))
+        restored.append(len(now))
+
+    speculator.propose, proposer.rollback = propose, rollback
+    plan = FaultPlan(late=True)
+    core.runner = FaultInjectingRunner(core.runner, plan)
+    eng = llm.engine
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"f{i}", p, greedy())
+    out: dict[str, list[int]] = {}
+    step = 0
+    while eng.has_unfinished_requests():
+        plan.transient = 1 if step in (3, 5, 6) else 0  # decoding steps: the head has state to restore
+        for o in eng.step():
+            out[o.request_id] = list(o.outputs[0].token_ids)
+        step += 1
+    assert [out[f"f{i}"] for i in range(len(PROMPTS))] == baseline
+    assert plan.num_fired == 3 and len(restored) == 3 and min(restored) > 0
+    assert proposer.num_tracked_requests == 0
+
+
+def test_abort_releases_the_head_state(dirs) -> None:
+    llm = engine(dirs["target"], eagle(dirs["head"]))
+    eng = llm.engine
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"a{i}", p, greedy(40))
+    for _ in range(6):
+        eng.step()
+    proposer = eng.speculator.proposer
+    assert proposer.num_tracked_requests > 0
+    for i in range(len(PROMPTS)):
+        eng.abort_request(f"a{i}", missing_ok=True)
+    assert proposer.num_tracked_requests == 0
+    eng.core.scheduler.check_integrity()
+
+
+# ---- the loader: the published layout and its variants ----
+
+def _published(src, dst, *, prefix: str = "", drop=(), embed: bool = False) -> str:
+    os.makedirs(dst, exist_ok=True)
+    state = load_file(os.path.join(src, "model.safetensors"))
+    state = {prefix + k: v for k, v in state.items() if k not in drop}
+    if embed:
+        state[prefix + "embed_tokens.weight"] = torch.zeros(VOCAB, 64)
+    save_file(state, os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(dst)
+
+
+def test_published_layout_names_and_variants(dirs) -> None:
+    head = dirs["head"]
+    with open(os.path.join(head, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["draft_vocab_size"] == DRAFT_VOCAB and cfg["vocab_size"] == VOCAB
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == list(AUX_IDS)
+    names = set(load_file(os.path.join(head, "model.safetensors")))
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight",
+            "midlayer.self_attn.q_proj.weight", "midlayer.mlp.down_proj.weight"} <= names
+    ref = load_eagle3(head)
+    root = dirs["root"]
+    variants = [_published(head, root / "prefixed", prefix="model.", embed=True),
+                _published(head, root / "no_t2d", drop=("t2d",))]
+    for path in variants:
+        got = load_eagle3(path)
+        for (name, a), (_, b) in zip(sorted(ref.state_dict().items()), sorted(got.state_dict().items())):
+            assert torch.equal(a, b), name
+    want = token_ids(engine(dirs["target"], eagle(head)), PROMPTS[:2], greedy(12))
+    for path in variants:  # the same drafts: the same acceptance
+        llm = engine(dirs["target"], eagle(path))
+        assert token_ids(llm, PROMPTS[:2], greedy(12)) == want
+
+
+def test_fp16_head_runs(dirs, baseline) -> None:
+    path = dirs["root"] / "fp16"
+    save_eagle3(random_head(1), str(path))  # the default: float16 on disk
+    assert token_ids(engine(dirs["target"], eagle(path, k=2)), PROMPTS, greedy()) == baseline
+
+
+@pytest.mark.parametrize("override, field", [({"vocab_size": VOCAB + 10}, "vocab_size"),
+                                             ({"target_hidden_size": 32}, "target_hidden_size"),
+                                             ({"aux_layer_ids": (1, 3, 9)}, "taps layers")])
+def test_mismatched_head_is_refused(dirs, override, field) -> None:
+    path = write_head(dirs["root"] / f"bad_{field}", random_head(2, **override))
+    with pytest.raises(ValueError, match=rf"speculative_config\.model: .*{field}"):
+        engine(dirs["target"], eagle(path))
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"method": "eagle3", "model": "/nonexistent/head"}, r"speculative_config\.model: .*not a directory"),
+    ({"method": "eagle3"}, r"speculative_config\.model: no EAGLE-3 head is shipped"),
+    ({"method": "eagle3", "num_speculative_tokens": 0}, r"num_speculative_tokens"),
+    ({"method": "eagle3", "draft_num_layers": 2}, r"draft_num_layers"),
+    ({"method": "ngram", "model": "/x"}, r"speculative_config\['model'\]"),
+])
+def test_validation_errors_name_the_field(dirs, spec, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        engine(dirs["target"], spec)
+
+
+def test_not_a_head_directory(dirs) -> None:
+    with pytest.raises(ValueError, match=r"speculative_config\.model: .*no config.json"):
+        engine(dirs["target"], eagle(dirs["root"]))
