@@ -17,7 +17,7 @@ import contextlib
 import json
 import logging
 
-from tokenbudget.cli.generate import speculative_config_from_args
+from tokenbudget.cli.generate import SPEC_METHODS, speculative_config_from_args
 
 
 def add_parser(sub) -> None:
@@ -37,7 +37,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
     p.add_argument("--output-png", default=None)
-    p.add_argument("--spec-method", choices=["ngram", "suffix", "draft_model", "self_draft"])
+    p.add_argument("--spec-method", choices=SPEC_METHODS)
+    p.add_argument("--spec-model", default=None, help="a draft model (draft_model) or an EAGLE-3 head directory (eagle3)")
     p.add_argument("--num-spec-tokens", default=None)
     p.add_argument("--speculative-config", default=None)
     p.add_argument("--no-spec", action="store_true")

@@ -2,6 +2,7 @@
 
     tokenbudget generate "Write a haiku about the sea" --max-tokens 64
     tokenbudget generate --input prompts.jsonl --output outputs.jsonl --spec-method ngram
+    tokenbudget generate "Tell me about the moon" --chat --spec-method eagle3
 
 String prompts go through the model's chat template when it has one (as llama.cpp's CLI does:
 an instruct model given a raw completion prompt rarely says anything useful); ``--raw`` sends
@@ -10,6 +11,12 @@ them as they are, ``--chat`` insists on the template (an error when the model ha
 Input lines are JSON objects with ``prompt`` (or ``messages`` for chat, or ``prompt_token_ids``)
 and optional ``request_id`` and ``sampling_params``; a bare JSON string is a prompt. Output lines
 are ``RequestOutput`` JSON in input order. A one-line throughput summary ends a batch.
+
+With speculation on, a streamed prompt ends with a tau line (mean accepted length: tokens per
+verify step, and the acceptance by draft position) and a speed-up line: the same prompt is run
+again on the same engine with drafts off for it (``SamplingParams.num_speculative_tokens=0``) and
+the two decode rates (output tokens after the first, so the prefill and its prefix-cache hit on
+the re-run do not count) are compared. ``--no-compare`` skips the re-run.
 """
 
 from __future__ import annotations
@@ -38,8 +45,13 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--spec-method", choices=["ngram", "suffix", "draft_model", "self_draft"],
-                   help="speculative decoding method (default: ngram; 'none' via --no-spec)")
+    p.add_argument("--spec-method", choices=SPEC_METHODS,
+                   help="speculative decoding method (default: ngram; 'none' via --no-spec; eagle3: the "
+                        "EAGLE-3 head shipped for the default model, or --spec-model DIR)")
+    p.add_argument("--spec-model", default=None,
+                   help="the drafter's files: a draft model (draft_model) or an EAGLE-3 head directory (eagle3)")
+    p.add_argument("--no-compare", action="store_true",
+                   help="streamed prompt with speculation: skip the re-run without drafts (the speed-up line)")
     p.add_argument("--num-spec-tokens", default="auto",
                    help="drafts per step, or 'auto' (default: chosen per request and step from the "
                         "engine's measured step costs)")
@@ -56,13 +68,19 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
+SPEC_METHODS = ["ngram", "suffix", "draft_model", "self_draft", "eagle3"]
+
+
 def speculative_config_from_args(args) -> dict | None:
     if args.speculative_config:
         return json.loads(args.speculative_config)
     if args.no_spec:
         return None
     n = "auto" if args.num_spec_tokens is None else args.num_spec_tokens  # serve/bench: no default of their own
-    return {"method": args.spec_method or "ngram", "num_speculative_tokens": n if n == "auto" else int(n)}
+    config = {"method": args.spec_method or "ngram", "num_speculative_tokens": n if n == "auto" else int(n)}
+    if getattr(args, "spec_model", None):
+        config["model"] = args.spec_model
+    return config
 
 
 def run(args) -> int:
@@ -78,7 +96,7 @@ def run(args) -> int:
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     chat = _use_chat_template(llm, args)
     if args.prompt is not None:
-        return _stream_one(llm, args.prompt, params, chat)
+        return _stream_one(llm, args.prompt, params, chat, compare=not args.no_compare)
     return _batch(llm, args, params, chat)
 
 
@@ -89,22 +107,44 @@ def _use_chat_template(llm, args) -> bool:
     return has and not args.raw
 
 
-def _stream_one(llm, prompt: str, params, chat: bool) -> int:
+def _stream_one(llm, prompt: str, params, chat: bool, compare: bool = True) -> int:
     if chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    engine = llm.engine
-    engine.add_request("cli-0", prompt, msgspec.structs.replace(params, output_kind=RequestOutputKind.DELTA))
-    start, n_tokens = time.perf_counter(), 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            sys.stdout.write(out.outputs[0].text)
-            sys.stdout.flush()
-            n_tokens += len(out.outputs[0].token_ids)
-    elapsed = time.perf_counter() - start
+    n_tokens, elapsed, decode_rate = _timed_run(llm.engine, "cli-0", prompt, params, echo=True)
     sys.stdout.write("\n")
     sys.stdout.flush()
-    print(_summary(1, n_tokens, elapsed, llm.get_spec_stats()), file=sys.stderr)
+    stats = llm.get_spec_stats()
+    print(_summary(1, n_tokens, elapsed, stats), file=sys.stderr)
+    if stats is None:
+        return 0
+    by_pos = ", ".join(f"{r:.2f}" for r in stats.acceptance_by_position())
+    print(f"tau = {stats.mean_accepted_length:.2f} tokens per verify step ({stats.num_drafts} verify steps; "
+          f"acceptance by draft position [{by_pos}])", file=sys.stderr)
+    if compare and decode_rate is not None:
+        plain = msgspec.structs.replace(params, num_speculative_tokens=0)
+        _, _, plain_rate = _timed_run(llm.engine, "cli-plain", prompt, plain, echo=False)
+        if plain_rate:
+            print(f"speed-up: {decode_rate / plain_rate:.2f}x vs plain decoding ({decode_rate:.1f} vs "
+                  f"{plain_rate:.1f} decode tok/s; the same prompt re-run on this engine with drafts off)",
+                  file=sys.stderr)
     return 0
+
+
+def _timed_run(engine, request_id: str, prompt, params, echo: bool):
+    """(output tokens, seconds, decode tok/s after the first output token or None)."""
+    engine.add_request(request_id, prompt, msgspec.structs.replace(params, output_kind=RequestOutputKind.DELTA))
+    start, n_tokens, first_at, n_first = time.perf_counter(), 0, None, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if echo:
+                sys.stdout.write(out.outputs[0].text)
+                sys.stdout.flush()
+            n_tokens += len(out.outputs[0].token_ids)
+            if first_at is None and n_tokens:
+                first_at, n_first = time.perf_counter(), n_tokens
+    end = time.perf_counter()
+    rate = (n_tokens - n_first) / (end - first_at) if first_at is not None and n_tokens > n_first else None
+    return n_tokens, end - start, rate
 
 
 def _read_inputs(path: str, llm, default_params, chat: bool):

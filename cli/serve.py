@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from tokenbudget.cli.generate import speculative_config_from_args
+from tokenbudget.cli.generate import SPEC_METHODS, speculative_config_from_args
 
 
 def add_parser(sub) -> None:
@@ -23,7 +23,8 @@ def add_parser(sub) -> None:
                    help="require 'Authorization: Bearer KEY' (default: $TOKENBUDGET_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the file's name)")
     p.add_argument("--grace-period", type=float, default=30.0, help="seconds to drain requests on SIGTERM")
-    p.add_argument("--spec-method", choices=["ngram", "suffix", "draft_model", "self_draft"])
+    p.add_argument("--spec-method", choices=SPEC_METHODS)
+    p.add_argument("--spec-model", default=None, help="a draft model (draft_model) or an EAGLE-3 head directory (eagle3)")
     p.add_argument("--num-spec-tokens", default=None, help="drafts per step, or 'auto'")
     p.add_argument("--speculative-config", help="full speculative_config as JSON (overrides --spec-*)")
     p.add_argument("--no-spec", action="store_true", help="disable speculative decoding")

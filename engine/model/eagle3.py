@@ -188,11 +188,12 @@ class Eagle3Head(nn.Module):
         return self.fc(aux)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
+                attend: Attend, logit_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft position: ``embeds [T, H]`` (target embedding of the input token), ``hidden
         [T, H]`` (``fuse`` of the target's states, or the previous step's output), ``positions
         [T]``. Returns (pre-norm output ``[T, H]``: the next step's ``hidden``; draft logits
-        ``[T, V_draft]``)."""
+        ``[T, V_draft]``, or only for the rows ``logit_rows`` (indices) when given: the engine's
+        catch-up over many rows needs the last row's logits only)."""
         c, layer = self.config, self.midlayer
         h_normed = layer.hidden_norm(hidden)
         x = torch.cat([layer.input_layernorm(embeds), h_normed], dim=-1)
@@ -207,7 +208,7 @@ class Eagle3Head(nn.Module):
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         h = residual + attn.o_proj(attend(q, k, v))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return h, self.lm_head(self.norm(h))
+        return h, self.lm_head(self.norm(h if logit_rows is None else h[logit_rows]))
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -136,7 +136,7 @@ class Eagle3Proposer(BaseProposer):
         active = [i for i in active if states[i].last_pos == requests[i].num_tokens - 2]
         if active:
             logits = torch.stack([states[i].last_logits for i in active])
-            sample_drafts(self._target_logits(logits), requests, active, drafts, probs)
+            self._sample(logits, requests, active, drafts, probs)
             hidden = {i: states[i].last_h for i in active}
             extra_k: dict[int, list[torch.Tensor]] = {i: [] for i in active}
             extra_v: dict[int, list[torch.Tensor]] = {i: [] for i in active}
@@ -154,7 +154,7 @@ class Eagle3Proposer(BaseProposer):
                     extra_k[i].append(new_kv[r][0])
                     extra_v[i].append(new_kv[r][1])
                 self.num_draft_forward_tokens += len(rows)
-                sample_drafts(self._target_logits(out), requests, rows, drafts, probs)
+                self._sample(out, requests, rows, drafts, probs)
         self._probs = [torch.stack(p) if p else None for p in probs]
         return drafts
 
@@ -235,17 +235,33 @@ class Eagle3Proposer(BaseProposer):
         new_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         head = self.head
         fused = head.fuse(torch.cat(hidden).to(device=self.device, dtype=self.dtype))
+        last_rows = torch.tensor(lengths).cumsum(0) - 1  # logits of each piece's last row only
         h, logits = head(self.embed[torch.cat(ids).to(self.device)].to(self.dtype), fused,
-                         torch.cat(positions).to(self.device), _segment_attend(segments, lengths, new_kv))
+                         torch.cat(positions).to(self.device), _segment_attend(segments, lengths, new_kv),
+                         logit_rows=last_rows.to(self.device))
         self.num_catchup_tokens += h.shape[0]
-        end = 0
-        for (i, start, rows), (k, v) in zip(pieces, new_kv):
+        for r, ((i, start, rows), (k, v), end) in enumerate(zip(pieces, new_kv, last_rows.tolist())):
             st = states[i]
             n = rows.shape[0]
-            end += n
             st.k, st.v = torch.cat([st.k, k]), torch.cat([st.v, v])
             st.next_pos = start + n
-            st.last_pos, st.last_h, st.last_logits = start + n - 1, h[end - 1], logits[end - 1]
+            st.last_pos, st.last_h, st.last_logits = start + n - 1, h[end], logits[r]
+
+    def _sample(self, draft_logits: torch.Tensor, requests, rows: list[int], drafts, probs) -> None:
+        """Plain greedy rows (no bans, bias, processors or penalties) take the argmax over the
+        draft vocabulary directly (the same token as the argmax of the scattered row: ``OUTSIDE``
+        never wins); the others go through the shared model-drafter sampling on the target
+        vocabulary."""
+        plain = [r for r, i in enumerate(rows) if _plain_greedy(requests[i])]
+        if plain:
+            idx = torch.tensor(plain, dtype=torch.long, device=draft_logits.device)
+            for r, t in zip(plain, self.head.to_target_ids(draft_logits[idx].argmax(dim=-1)).tolist()):
+                drafts[rows[r]].append(t)
+        if len(plain) == len(rows):
+            return
+        rest = [r for r in range(len(rows)) if r not in set(plain)]
+        idx = torch.tensor(rest, dtype=torch.long, device=draft_logits.device)
+        sample_drafts(self._target_logits(draft_logits[idx]), requests, [rows[r] for r in rest], drafts, probs)
 
     def _target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """``[T, V_draft]`` -> fp32 ``[T, V]`` (``OUTSIDE`` where the draft vocabulary has no id)."""
@@ -253,6 +269,11 @@ class Eagle3Proposer(BaseProposer):
                          dtype=torch.float32, device=draft_logits.device)
         out[:, self._target_ids] = draft_logits.to(torch.float32)
         return out
+
+
+def _plain_greedy(request: Request) -> bool:
+    params = request.sampling_params
+    return (params is None or (params.is_greedy and not params.needs_row_preparation)) and not request.min_tokens_banned
 
 
 def _segment_attend(segments, lengths: list[int], new_kv: list):
