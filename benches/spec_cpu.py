@@ -5,7 +5,9 @@ and interleaved prompt by prompt, this runs:
 
 * tokenbudget without speculation (the baseline, and the reference tokens),
 * tokenbudget with each method in ``--methods`` (``ngram:K``, ``suffix``, ``suffix:K``,
-  ``self_draft:LAYERS:K``),
+  ``self_draft:LAYERS:K``, ``eagle3:K`` (the shipped head; ``eagle3:K:DIR`` another); K may be
+  ``auto``: the adaptive controller chooses the draft length per request and step, and may
+  turn speculation off where it does not pay),
 * transformers ``generate(prompt_lookup_num_tokens=K, do_sample=False)`` on the same weights
   (fp32), same prompt ids, same ``max_new_tokens``, same threads.
 
@@ -21,6 +23,10 @@ proposer and the rest.
 
     PYTHONPATH=. python benches/spec_cpu.py --per-category 1 --max-new-tokens 128 \
         --json benches/results/spec_cpu.json --markdown --figures
+
+``--kernels torch`` runs the model's linears unquantized on torch's kernels (fp32) instead of the
+default model's int4 weights on the C kernels (and the C decoder forward); ``--section`` and
+``--figure-prefix`` keep such runs beside the default one in RESULTS.md and figures/.
 
 Prompts are capped at ``--max-prompt-tokens`` (default 1500) tokens (the user message is cut).
 """
@@ -57,23 +63,34 @@ BASE = "no-spec"
 HF_PLD = "hf-pld"
 
 
+def _k(s: str):
+    return "auto" if s == "auto" else int(s)
+
+
 def parse_method(s: str) -> tuple[str, dict]:
     parts = s.split(":")
     m = parts[0]
     if m == "ngram":
-        k = int(parts[1]) if len(parts) > 1 else 4
+        k = _k(parts[1]) if len(parts) > 1 else 4
         return f"ngram k={k}", {"method": "ngram", "num_speculative_tokens": k}
     if m == "suffix":
         cfg = {"method": "suffix"}
         if len(parts) > 1:
-            cfg["num_speculative_tokens"] = int(parts[1])
+            cfg["num_speculative_tokens"] = _k(parts[1])
         return ("suffix" + (f" k={parts[1]}" if len(parts) > 1 else "")), cfg
     if m == "self_draft":
         layers = int(parts[1]) if len(parts) > 1 else 8
-        k = int(parts[2]) if len(parts) > 2 else 2
+        k = _k(parts[2]) if len(parts) > 2 else 2
         return f"self_draft L={layers} k={k}", {"method": "self_draft", "draft_num_layers": layers,
                                                 "num_speculative_tokens": k}
-    raise SystemExit(f"unknown method {s!r}: use ngram:K, suffix[:K], self_draft:LAYERS:K")
+    if m == "eagle3":
+        k = _k(parts[1]) if len(parts) > 1 else 4
+        cfg = {"method": "eagle3", "num_speculative_tokens": k}
+        if len(parts) > 2:
+            cfg["model"] = ":".join(parts[2:])
+        return f"eagle3 k={k}", cfg
+    raise SystemExit(f"unknown method {s!r}: use ngram:K, suffix[:K], self_draft:LAYERS:K, eagle3[:K[:DIR]] "
+                     "(K may be 'auto')")
 
 
 def main(argv=None) -> dict:
@@ -89,6 +106,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", action="store_true", help="write '## Speculative decoding on CPU' into RESULTS.md")
     ap.add_argument("--figures", action="store_true", help="write PNGs into benches/figures/")
+    ap.add_argument("--kernels", choices=["c", "torch"], default="c",
+                    help="c: the default model's int4 weights on the C kernels; torch: fp32 on torch's kernels")
+    ap.add_argument("--section", default="Speculative decoding on CPU", help="the RESULTS.md section to write")
+    ap.add_argument("--figure-prefix", default="spec", help="figures/<prefix>_*.png")
     args = ap.parse_args(argv)
 
     from tokenbudget import LLM
@@ -96,7 +117,8 @@ def main(argv=None) -> dict:
 
     torch.set_num_threads(args.threads)
     common = dict(num_threads=args.threads, max_model_len=args.max_prompt_tokens + args.max_new_tokens + 64,
-                  kv_cache_memory_bytes=256 * 1024 * 1024, enable_prefix_caching=False)
+                  kv_cache_memory_bytes=256 * 1024 * 1024, enable_prefix_caching=False,
+                  quantization="none" if args.kernels == "torch" else "auto")
     methods = [parse_method(s) for s in args.methods]
     t_load = time.perf_counter()
     llms = {BASE: LLM(**common)}
@@ -161,10 +183,22 @@ def main(argv=None) -> dict:
     write_json(args.json, result)
     if args.markdown:
         replace_section(os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"),
-                        "Speculative decoding on CPU", result["markdown"])
+                        args.section, result["markdown"])
     if args.figures:
-        _figures(result, os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures"))
+        _figures(result, os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures"), args.figure_prefix)
     return result
+
+
+def _cpu_model() -> str:
+    """CPU model and the vector extensions the C kernels pick from (``/proc/cpuinfo``)."""
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return "CPU unknown"
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "CPU")
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile") if f in flags]
+    return f"{name} ({', '.join(isa) or 'no AVX'})"
 
 
 def _merge_profile(acc: StepProfile, p: StepProfile) -> None:
@@ -253,9 +287,15 @@ def _summarise(args, prompts, labels, timings, stats, profiles, mismatches) -> d
     cmd = (f"PYTHONPATH=. python benches/spec_cpu.py --per-category {args.per_category} "
            f"--max-new-tokens {args.max_new_tokens} --max-prompt-tokens {args.max_prompt_tokens} "
            f"--threads {args.threads} --methods {' '.join(args.methods)} --hf-pld-k {args.hf_pld_k} "
-           + (f"--categories {' '.join(args.categories)} " if args.categories else "") +
+           + (f"--categories {' '.join(args.categories)} " if args.categories else "")
+           + ("--no-hf " if args.no_hf else "")
+           + (f"--kernels {args.kernels} --section '{args.section}' --figure-prefix {args.figure_prefix} "
+              if args.kernels != "c" or args.figure_prefix != "spec" else "") +
            "--markdown --figures")
-    md = (f"`{cmd}` ({time.strftime('%Y-%m-%d')}; SmolLM2-135M-Instruct fp32, greedy, batch 1, "
+    weights = ("Q4_1 GGUF as int4 on the C kernels + C decoder forward" if args.kernels == "c"
+               else "fp32 (unquantized) on torch's kernels")
+    md = (f"`{cmd}` ({time.strftime('%Y-%m-%d')}; {_cpu_model()}, {args.threads} threads; "
+          f"SmolLM2-135M-Instruct, {weights}, greedy, batch 1, "
           f"{args.per_category} prompt(s) per Spec-Bench category (first turn, chat template, capped at "
           f"{args.max_prompt_tokens} tokens) + code editing; EOS honoured; {os.cpu_count()} shared cores, "
           f"load average {os.getloadavg()[0]:.1f} at the end). Decode tokens/s excludes prefill; "
@@ -270,8 +310,9 @@ def _summarise(args, prompts, labels, timings, stats, profiles, mismatches) -> d
           + "\n\nLossless: " + ("every method produced exactly the no-speculation tokens on every prompt."
                                 if not real else f"{len(real)} MISMATCHES (see JSON)") + "\n")
     if args.figures:
-        md += ("\n![acceptance by position](figures/spec_acceptance_by_position.png)\n"
-               "![speedup by category](figures/spec_speedup_by_category.png)\n")
+        pre = args.figure_prefix
+        md += (f"\n![acceptance by position](figures/{pre}_acceptance_by_position.png)\n"
+               f"![speedup by category](figures/{pre}_speedup_by_category.png)\n")
     return {"machine": machine_info(args.threads), "args": vars(args), "rows": data,
             "profile": {lab: {"ms_per_step": r[1], "steps": r[2], **dict(zip(prof_headers[3:], r[3:]))}
                         for lab, r in zip(profiles, prof_rows)},
@@ -279,7 +320,7 @@ def _summarise(args, prompts, labels, timings, stats, profiles, mismatches) -> d
             "mismatches": mismatches, "markdown": md, "categories": cats}
 
 
-def _figures(result: dict, out_dir: str) -> None:
+def _figures(result: dict, out_dir: str, prefix: str = "spec") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -296,7 +337,7 @@ def _figures(result: dict, out_dir: str) -> None:
     ax.set_title("Acceptance by draft position (all prompts)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "spec_acceptance_by_position.png"), dpi=110)
+    fig.savefig(os.path.join(out_dir, f"{prefix}_acceptance_by_position.png"), dpi=110)
     plt.close(fig)
 
     cats = result["categories"] + ["ALL"]
@@ -314,7 +355,7 @@ def _figures(result: dict, out_dir: str) -> None:
     ax.set_title("Speedup by category (batch 1, greedy, CPU)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "spec_speedup_by_category.png"), dpi=110)
+    fig.savefig(os.path.join(out_dir, f"{prefix}_speedup_by_category.png"), dpi=110)
     plt.close(fig)
 
 

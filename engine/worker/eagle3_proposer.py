@@ -11,10 +11,12 @@ valid rows: a prefill chunk's, the verified position and the accepted drafts), a
 draft's embedding; their K/V live only inside ``propose`` (the next step recomputes those
 positions from the target's own states, as vLLM does), so rejected drafts leave nothing behind.
 
-State per request (``_HeadState``, replaced field by field, never mutated in place, so a snapshot
-is a tuple of references): the head's K/V over the positions it ran, ``next_pos`` (every position
-below it was run or has no tap state), the committed tap rows not yet run (``pending``), and the
-last run row's output (``last_pos``, ``last_h``, ``last_logits``: draft 1 when nothing new came).
+State per request (``_HeadState``): the head's K/V over the positions it ran (rows ``[0, n)`` of
+a buffer that grows by doubling; rows past ``n`` are scratch: the draft steps' K/V), ``next_pos``
+(every position below it was run or has no tap state), the committed tap rows not yet run
+(``pending``), and the last run row's output (``last_pos``, ``last_h``, ``last_logits``: draft 1
+when nothing new came). Rows below ``n`` are never written again and every other field is
+replaced, never mutated, so a snapshot is a tuple of references and ``n``.
 
 Where tap states come from: ``observe_target_states`` (the commit) slices the runner's
 ``aux_hidden_states`` per request and queues the valid rows; ``propose`` runs them. Positions the
@@ -56,8 +58,9 @@ MAX_PENDING_ROWS = 8192  # committed tap rows kept per request before the oldest
 
 @dataclass(slots=True)
 class _HeadState:
-    k: torch.Tensor                    # [n, kv_heads, D] (after RoPE), positions in increasing order
+    k: torch.Tensor                    # [capacity, kv_heads, D] (after RoPE), positions in increasing order
     v: torch.Tensor
+    n: int = 0                         # rows of k / v that hold run positions
     next_pos: int = 0                  # positions < next_pos: run, or without tap states
     pending: tuple = ()                # ((first position, aux rows [m, 3 * H_t]), ...) not yet run
     last_pos: int = -1                 # position of the last row run
@@ -65,7 +68,17 @@ class _HeadState:
     last_logits: torch.Tensor | None = None  # its draft logits [V_draft]
 
     def snapshot(self) -> tuple:
-        return (self.k, self.v, self.next_pos, self.pending, self.last_pos, self.last_h, self.last_logits)
+        return (self.k, self.v, self.n, self.next_pos, self.pending, self.last_pos, self.last_h, self.last_logits)
+
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` rows past ``n`` (a new buffer when full: a snapshot keeps the old one)."""
+        need = self.n + rows
+        if need > self.k.shape[0]:
+            cap = max(need, 2 * self.k.shape[0], 64)
+            k = self.k.new_empty((cap, *self.k.shape[1:]))
+            v = self.v.new_empty((cap, *self.v.shape[1:]))
+            k[:self.n], v[:self.n] = self.k[:self.n], self.v[:self.n]
+            self.k, self.v = k, v
 
     @property
     def covered(self) -> int:
@@ -138,21 +151,17 @@ class Eagle3Proposer(BaseProposer):
             logits = torch.stack([states[i].last_logits for i in active])
             self._sample(logits, requests, active, drafts, probs)
             hidden = {i: states[i].last_h for i in active}
-            extra_k: dict[int, list[torch.Tensor]] = {i: [] for i in active}
-            extra_v: dict[int, list[torch.Tensor]] = {i: [] for i in active}
+            for i in active:
+                states[i].reserve(ks[i] - 1)  # the draft steps' K/V: scratch rows past n
             for j in range(1, max(ks[i] for i in active)):
                 rows = [i for i in active if ks[i] > j]
                 tokens = torch.tensor([drafts[i][-1] for i in rows], dtype=torch.long, device=self.device)
                 positions = torch.tensor([requests[i].num_tokens - 2 + j for i in rows], device=self.device)
-                segments = [(torch.cat([states[i].k, *extra_k[i]]), torch.cat([states[i].v, *extra_v[i]]))
-                            for i in rows]
-                new_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+                segments = [(states[i], states[i].n + j - 1, 1) for i in rows]
                 h, out = self.head(self.embed[tokens].to(self.dtype), torch.stack([hidden[i] for i in rows]),
-                                   positions, _segment_attend(segments, [1] * len(rows), new_kv))
+                                   positions, _segment_attend(segments))
                 for r, i in enumerate(rows):
                     hidden[i] = h[r]
-                    extra_k[i].append(new_kv[r][0])
-                    extra_v[i].append(new_kv[r][1])
                 self.num_draft_forward_tokens += len(rows)
                 self._sample(out, requests, rows, drafts, probs)
         self._probs = [torch.stack(p) if p else None for p in probs]
@@ -230,20 +239,20 @@ class Eagle3Proposer(BaseProposer):
             ids.append(torch.tensor(req_tokens[start + 1:start + 1 + n], dtype=torch.long))
             positions.append(torch.arange(start, start + n))
             hidden.append(rows)
-            segments.append((st.k, st.v))
+            st.reserve(n)
+            segments.append((st, st.n, n))
             lengths.append(n)
-        new_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         head = self.head
         fused = head.fuse(torch.cat(hidden).to(device=self.device, dtype=self.dtype))
         last_rows = torch.tensor(lengths).cumsum(0) - 1  # logits of each piece's last row only
         h, logits = head(self.embed[torch.cat(ids).to(self.device)].to(self.dtype), fused,
-                         torch.cat(positions).to(self.device), _segment_attend(segments, lengths, new_kv),
+                         torch.cat(positions).to(self.device), _segment_attend(segments),
                          logit_rows=last_rows.to(self.device))
         self.num_catchup_tokens += h.shape[0]
-        for r, ((i, start, rows), (k, v), end) in enumerate(zip(pieces, new_kv, last_rows.tolist())):
+        for r, ((i, start, rows), end) in enumerate(zip(pieces, last_rows.tolist())):
             st = states[i]
             n = rows.shape[0]
-            st.k, st.v = torch.cat([st.k, k]), torch.cat([st.v, v])
+            st.n += n
             st.next_pos = start + n
             st.last_pos, st.last_h, st.last_logits = start + n - 1, h[end], logits[r]
 
@@ -276,25 +285,24 @@ def _plain_greedy(request: Request) -> bool:
     return (params is None or (params.is_greedy and not params.needs_row_preparation)) and not request.min_tokens_banned
 
 
-def _segment_attend(segments, lengths: list[int], new_kv: list):
-    """``attend`` for rows grouped by request: segment ``s`` has ``lengths[s]`` new rows (in
-    position order) that see that request's cached ``segments[s] = (K, V)`` and, causally, each
-    other. Appends each segment's new ``(k, v)`` to ``new_kv``."""
+def _segment_attend(segments):
+    """``attend`` for rows grouped by request: ``segments[s] = (state, at, n)``: the next ``n`` rows
+    are that request's positions in order; their K/V are written to rows ``[at, at + n)`` of its
+    buffers (reserved by the caller) and they see rows ``[0, at)`` and, causally, each other."""
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         heads, d = q.shape[1], q.shape[2]
-        rep = heads // k.shape[1]
-        outs, at = [], 0
-        for (ck, cv), n in zip(segments, lengths):
-            qs, ks, vs = q[at:at + n], k[at:at + n], v[at:at + n]
-            at += n
-            new_kv.append((ks, vs))
-            kk = torch.cat([ck, ks]).repeat_interleave(rep, dim=1).transpose(0, 1)
-            vv = torch.cat([cv, vs]).repeat_interleave(rep, dim=1).transpose(0, 1)
-            c = ck.shape[0]
+        gqa = heads != k.shape[1]
+        outs, row = [], 0
+        for st, at, n in segments:
+            st.k[at:at + n] = k[row:row + n]
+            st.v[at:at + n] = v[row:row + n]
+            qs = q[row:row + n].transpose(0, 1)
+            row += n
+            kk, vv = st.k[:at + n].transpose(0, 1), st.v[:at + n].transpose(0, 1)
             mask = None
             if n > 1:
-                mask = torch.ones((n, c + n), dtype=torch.bool, device=q.device).tril(diagonal=c)
-            o = F.scaled_dot_product_attention(qs.transpose(0, 1), kk, vv, attn_mask=mask)
+                mask = torch.ones((n, at + n), dtype=torch.bool, device=q.device).tril(diagonal=at)
+            o = F.scaled_dot_product_attention(qs, kk, vv, attn_mask=mask, enable_gqa=gqa)
             outs.append(o.transpose(0, 1).reshape(n, heads * d))
         return torch.cat(outs)
     return attend
