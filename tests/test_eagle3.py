@@ -93,14 +93,16 @@ def test_lossless_under_chunking_preemption_and_prefix_hits(dirs) -> None:
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
 
-def test_head_kv_matches_a_from_scratch_reference(dirs) -> None:
+@pytest.mark.parametrize("stress", [True, False], ids=["chunked-preempted", "whole-prompt"])
+def test_head_kv_matches_a_from_scratch_reference(dirs, stress) -> None:
     """Greedy equality cannot see a wrong head KV (verification repairs any draft); the drafts
     can: under chunked prefill and preemption (no prefix cache, so every position has its tap
-    states) every draft equals the head run from scratch on HF's hidden states, and draft 1's
-    logits match."""
+    states), and with whole prompts (catch-ups past the small-query attention path), every draft
+    equals the head run from scratch on HF's hidden states, and draft 1's logits match."""
     head = load_eagle3(dirs["head"])
     hf = transformers.LlamaForCausalLM.from_pretrained(dirs["target"]).eval()
-    llm = engine(dirs["target"], eagle(dirs["head"], k=3), **stressed(dirs, 12, enable_prefix_caching=False))
+    opts = stressed(dirs, 12, enable_prefix_caching=False) if stress else {}
+    llm = engine(dirs["target"], eagle(dirs["head"], k=3), **opts)
     proposer = llm.engine.speculator.proposer
     seen = []
     inner = proposer.propose
@@ -114,8 +116,10 @@ def test_head_kv_matches_a_from_scratch_reference(dirs) -> None:
 
     proposer.propose = recording
     prompts = [f"prompt number {i}: " + "ab" * (3 + 2 * i) for i in range(4)]
+    if not stress:
+        prompts = [p * 4 for p in prompts]  # > SMALL_QUERY rows in one catch-up
     token_ids(llm, prompts, greedy(24))
-    assert llm.engine.core.scheduler.num_preemptions > 0
+    assert (llm.engine.core.scheduler.num_preemptions > 0) == stress
     assert len(seen) > 20
     for tokens, drafts, logits in seen:
         want, want_logits = reference_drafts(hf, head, tokens, len(drafts))

@@ -40,7 +40,8 @@ head's own distribution.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,7 @@ class Eagle3Proposer(BaseProposer):
         self._state: dict[str, _HeadState] = {}
         self._undo: dict[str, tuple | None] = {}
         self._probs: list[torch.Tensor | None] | None = None
+        self._threads = torch.get_num_threads()  # the engine's intra-op threads (propose runs on fewer)
         # Counters (tests, benchmarks): head rows run over target states / from its own outputs.
         self.num_catchup_tokens = 0
         self.num_draft_forward_tokens = 0
@@ -136,6 +138,11 @@ class Eagle3Proposer(BaseProposer):
     # ---- Proposer interface ----
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
+        self._threads = torch.get_num_threads()
+        with _threads(1 if len(requests) <= SMALL_WORK else self._threads):
+            return self._propose(requests, num_tokens)
+
+    def _propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
         if len(requests) != len(num_tokens):
             raise ValueError(f"num_tokens has {len(num_tokens)} entries for {len(requests)} requests")
         drafts: list[list[int]] = [[] for _ in requests]
@@ -245,9 +252,10 @@ class Eagle3Proposer(BaseProposer):
         head = self.head
         fused = head.fuse(torch.cat(hidden).to(device=self.device, dtype=self.dtype))
         last_rows = torch.tensor(lengths).cumsum(0) - 1  # logits of each piece's last row only
-        h, logits = head(self.embed[torch.cat(ids).to(self.device)].to(self.dtype), fused,
-                         torch.cat(positions).to(self.device), _segment_attend(segments),
-                         logit_rows=last_rows.to(self.device))
+        with _threads(self._threads if sum(lengths) > SMALL_WORK else 1):
+            h, logits = head(self.embed[torch.cat(ids).to(self.device)].to(self.dtype), fused,
+                             torch.cat(positions).to(self.device), _segment_attend(segments),
+                             logit_rows=last_rows.to(self.device))
         self.num_catchup_tokens += h.shape[0]
         for r, ((i, start, rows), end) in enumerate(zip(pieces, last_rows.tolist())):
             st = states[i]
@@ -280,6 +288,26 @@ class Eagle3Proposer(BaseProposer):
         return out
 
 
+SMALL_WORK = 16  # requests (draft steps) or catch-up rows up to which the head runs on one CPU thread
+
+
+@contextmanager
+def _threads(n: int) -> Iterator[None]:
+    """``n`` intra-op threads inside. Drafting at small batch is many tiny ops (a draft step at
+    batch 1: a few hundred microseconds), and every parallel op waits for all its threads: on a
+    busy 2-core machine a second thread made a draft step 10-40x slower (measured), so small
+    work runs on one thread and large catch-ups (a prompt) on the engine's count."""
+    before = torch.get_num_threads()
+    if n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _plain_greedy(request: Request) -> bool:
     params = request.sampling_params
     return (params is None or (params.is_greedy and not params.needs_row_preparation)) and not request.min_tokens_banned
@@ -290,19 +318,36 @@ def _segment_attend(segments):
     are that request's positions in order; their K/V are written to rows ``[at, at + n)`` of its
     buffers (reserved by the caller) and they see rows ``[0, at)`` and, causally, each other."""
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        heads, d = q.shape[1], q.shape[2]
-        gqa = heads != k.shape[1]
         outs, row = [], 0
         for st, at, n in segments:
             st.k[at:at + n] = k[row:row + n]
             st.v[at:at + n] = v[row:row + n]
-            qs = q[row:row + n].transpose(0, 1)
+            outs.append(_attention(q[row:row + n], st.k[:at + n], st.v[:at + n], at))
             row += n
-            kk, vv = st.k[:at + n].transpose(0, 1), st.v[:at + n].transpose(0, 1)
-            mask = None
-            if n > 1:
-                mask = torch.ones((n, at + n), dtype=torch.bool, device=q.device).tril(diagonal=at)
-            o = F.scaled_dot_product_attention(qs, kk, vv, attn_mask=mask, enable_gqa=gqa)
-            outs.append(o.transpose(0, 1).reshape(n, heads * d))
         return torch.cat(outs)
     return attend
+
+
+SMALL_QUERY = 64  # rows up to which attention is two small matmuls rather than SDPA
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: int) -> torch.Tensor:
+    """``q [n, heads, D]`` (positions ``at .. at + n - 1``) over ``k, v [at + n, kv_heads, D]``,
+    causal. Few query rows (every draft step, a verify's catch-up) go through two batched matmuls
+    per KV head group: SDPA's CPU kernel costs milliseconds of thread start-up for one query row
+    (measured 2.6 ms vs 0.07 ms at 400 keys, 2 threads), more than the head's whole layer."""
+    n, heads, d = q.shape
+    kv_heads = k.shape[1]
+    if n > SMALL_QUERY:
+        mask = torch.ones((n, at + n), dtype=torch.bool, device=q.device).tril(diagonal=at)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           attn_mask=mask, enable_gqa=heads != kv_heads)
+        return o.transpose(0, 1).reshape(n, heads * d)
+    rep = heads // kv_heads
+    qg = q.view(n, kv_heads, rep, d).permute(1, 2, 0, 3).reshape(kv_heads, rep * n, d)
+    scores = torch.bmm(qg, k.permute(1, 2, 0)) * d ** -0.5      # [kv_heads, rep * n, keys]
+    if n > 1:
+        masked = torch.ones((n, at + n), dtype=torch.bool, device=q.device).triu(diagonal=at + 1)
+        scores = scores.view(kv_heads, rep, n, at + n).masked_fill(masked, float("-inf")).view_as(scores)
+    o = torch.bmm(scores.softmax(dim=-1), v.transpose(0, 1))    # [kv_heads, rep * n, D]
+    return o.view(kv_heads, rep, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
