@@ -301,3 +301,22 @@ def test_quantized_target_runs_a_quantized_head(dirs) -> None:
     assert type(head.lm_head.quant).__name__ == "QuantLinear" and head.lm_head.quant.mode == "int8"
     assert head.midlayer.mlp.down_proj.quant.mode == "int8"
     assert llm.get_spec_stats().num_draft_tokens > 0
+
+
+def test_sampling_features_and_ids_outside_the_draft_vocabulary(dirs) -> None:
+    """Penalties, bias, min_tokens, bad words, logprobs: greedy output equals plain decoding. With
+    ``allowed_token_ids`` all outside the head's draft vocabulary every draft row holds only
+    out-of-vocabulary ids: the head still drafts (never a 'no token allowed' request fault)."""
+    in_vocab = load_eagle3(dirs["head"]).t2d
+    outside = [i for i in range(VOCAB) if not in_vocab[i]]
+    cases = [greedy(20, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2, min_tokens=10,
+                    logit_bias={int(outside[0]): 3.0}, bad_words=["ab"], logprobs=2),
+             greedy(12, allowed_token_ids=outside)]
+    base = engine(dirs["target"])
+    llm = engine(dirs["target"], eagle(dirs["head"]))
+    for params in cases:
+        got = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+        want = base.generate(PROMPTS[:2], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert all(o.outputs[0].finish_reason == "length" for o in got)
+    assert llm.get_spec_stats().num_draft_tokens > 0
