@@ -320,3 +320,24 @@ def test_sampling_features_and_ids_outside_the_draft_vocabulary(dirs) -> None:
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
         assert all(o.outputs[0].finish_reason == "length" for o in got)
     assert llm.get_spec_stats().num_draft_tokens > 0
+
+
+def test_pending_tap_rows_are_capped(dirs, baseline, monkeypatch) -> None:
+    """A request that queues more tap rows than ``MAX_PENDING_ROWS`` (a long prompt) keeps the
+    newest: the head's K/V starts later (a gap, like a cache hit), output unchanged."""
+    import tokenbudget.engine.worker.eagle3_proposer as module
+    monkeypatch.setattr(module, "MAX_PENDING_ROWS", 8)
+    llm = engine(dirs["target"], eagle(dirs["head"]))
+    proposer = llm.engine.speculator.proposer
+    kv_rows = []
+    inner = proposer.propose
+
+    def recording(requests, num_tokens):
+        drafts = inner(requests, num_tokens)
+        kv_rows.extend((r.num_computed_tokens, proposer._state[r.request_id].n) for r in requests)
+        return drafts
+
+    proposer.propose = recording
+    assert token_ids(llm, PROMPTS, greedy()) == baseline
+    assert kv_rows and all(n < computed for computed, n in kv_rows)  # the prompt's start was dropped
+    assert llm.get_spec_stats().num_draft_tokens > 0

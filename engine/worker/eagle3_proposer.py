@@ -54,7 +54,10 @@ from tokenbudget.scheduler.request import Request
 from tokenbudget.spec.proposer import BaseProposer
 
 OUTSIDE = -1e30  # logit of a target id outside the draft vocabulary
-MAX_PENDING_ROWS = 8192  # committed tap rows kept per request before the oldest are dropped
+# Committed tap rows kept per request before the oldest are dropped (a gap, like a cache hit). A
+# prompt's rows wait one step; only a request the controller keeps at k = 0 for long queues more
+# (4096 rows x 3 x hidden, in the head's dtype: 28 MB for the default model).
+MAX_PENDING_ROWS = 4096
 
 
 @dataclass(slots=True)
@@ -124,6 +127,8 @@ class Eagle3Proposer(BaseProposer):
             m = len(sr.token_ids)  # the committed tokens of the chunk, then the drafts
             valid = m - len(sr.spec_token_ids) + entry.num_accepted_tokens
             rows, start, off = aux[off:off + valid], sr.num_computed_tokens, off + m
+            if rows.dtype != self.dtype:
+                rows = rows.to(self.dtype)
             st = self._state.get(sr.request_id)
             if st is None:
                 st = self._state[sr.request_id] = _HeadState(self._empty_kv, self._empty_kv)
@@ -131,8 +136,12 @@ class Eagle3Proposer(BaseProposer):
             if skip >= valid:
                 continue
             pending = st.pending + ((start + skip, rows[skip:]),)
-            while sum(r.shape[0] for _, r in pending) > MAX_PENDING_ROWS:  # a long stretch without drafting
-                pending = pending[1:]
+            excess = sum(r.shape[0] for _, r in pending) - MAX_PENDING_ROWS  # a long stretch without drafting
+            while excess > 0:
+                first, rows = pending[0]
+                cut = min(excess, rows.shape[0])
+                pending = ((first + cut, rows[cut:]),) + pending[1:] if cut < rows.shape[0] else pending[1:]
+                excess -= cut
             st.pending = pending
 
     # ---- Proposer interface ----
