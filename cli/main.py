@@ -18,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_parser(sub)
     from tokenbudget.cli import bench_serve
     bench_serve.add_parser(sub)
+    from tokenbudget.cli import train_draft
+    train_draft.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:

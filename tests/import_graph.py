@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("worker: runners, sampler", ("tokenbudget.engine.worker",)),
     ("core: EngineCore, outputs, wiring", ("tokenbudget.engine.core",)),
     ("front-ends: LLM, LLMEngine, AsyncLLM, serve", ("tokenbudget.engine.entrypoints", "tokenbudget.engine.serve")),
+    ("training: draft heads (train-draft)", ("tokenbudget.training",)),
     ("test kit: fake model, harness, fuzzing", ("tokenbudget.testing",)),
     ("integrations: Ray Data, Ray Serve", ("tokenbudget.integrations",)),
     ("console script, namespace root", ("tokenbudget.cli", "tokenbudget.__main__", "tokenbudget")),

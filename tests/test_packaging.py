@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("api", "engine", "scheduler", "spec", "kv_cache", "kernels", "testing", "cli", "integrations")
+FOLDERS = ("api", "engine", "scheduler", "spec", "kv_cache", "kernels", "testing", "cli", "integrations", "training")
 
 
 def _pyproject() -> dict:
@@ -40,7 +40,7 @@ def test_every_package_folder_is_listed():
 
 def test_folders_refuse_their_bare_names():
     """``import engine`` from the repository root would load a second copy of every module."""
-    for name in ("engine", "scheduler", "spec", "kv_cache", "integrations"):
+    for name in ("engine", "scheduler", "spec", "kv_cache", "integrations", "training"):
         proc = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=ROOT, capture_output=True, text=True)
         assert proc.returncode != 0 and "installs as tokenbudget." in proc.stderr, name
 
