@@ -341,3 +341,19 @@ def test_pending_tap_rows_are_capped(dirs, baseline, monkeypatch) -> None:
     assert token_ids(llm, PROMPTS, greedy()) == baseline
     assert kv_rows and all(n < computed for computed, n in kv_rows)  # the prompt's start was dropped
     assert llm.get_spec_stats().num_draft_tokens > 0
+
+
+def test_shipped_head_on_the_default_model() -> None:
+    """``"model"`` omitted: the head shipped for SmolLM2-135M-Instruct, on the default model's C
+    forward (int4, the head quantized alike); greedy output equals plain decoding."""
+    from engine_fixtures import ENGINE_OPTS, default_target
+    from tokenbudget.engine.worker.eagle3_build import shipped_head_dir
+
+    prompts = ["Tell me about the moon.", "def fibonacci(n):"]
+    target = default_target()
+    want = token_ids(LLM(target, **ENGINE_OPTS), prompts, greedy(24))
+    llm = LLM(target, speculative_config={"method": "eagle3", "num_speculative_tokens": 3}, **ENGINE_OPTS)
+    assert token_ids(llm, prompts, greedy(24)) == want
+    proposer = llm.engine.speculator.proposer
+    assert proposer.head.config.aux_layer_ids == (2, 15, 27) and os.path.isdir(shipped_head_dir())
+    assert llm.get_spec_stats().num_draft_tokens > 0 and proposer.num_tracked_requests == 0
