@@ -8,6 +8,7 @@ method exists here:
     {"method": "draft_model", "model": "/path/to/draft", "num_speculative_tokens": 3}
     {"method": "self_draft", "draft_num_layers": 6, "num_speculative_tokens": "auto"}
     {"method": "eagle3", "model": "/path/to/eagle3-head", "num_speculative_tokens": "auto"}
+    {"method": "eagle3", "enable_suffix_decoding": True}   # + suffix drafts where text repeats
 
 Decisions (where vLLM is silent or arbitrary):
 
@@ -24,6 +25,10 @@ Decisions (where vLLM is silent or arbitrary):
   A 1-gram match proposes too often on common tokens and wastes verify compute.
 * Suffix options carry a ``suffix_`` prefix; vLLM's ``suffix_decoding_`` spellings are accepted
   by ``from_dict`` as aliases.
+* ``enable_suffix_decoding`` (Arctic Inference's key for the same idea): with ``eagle3``, a
+  request whose suffix-decoding draft is long (the text repeats: code edits, summaries) verifies
+  that draft instead of the head's; under ``"auto"`` the controller's bound is then the suffix
+  tree depth, as for ``suffix``.
 * Derived values are properties (``max_spec_tokens``, ``is_adaptive``); nothing is written back.
 """
 
@@ -79,6 +84,8 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
         ``factor * match_length + offset`` tokens (longer matches earn longer drafts).
     suffix_min_token_prob: stop the greedy walk when the continuation's empirical probability
         (child count / parent count, multiplied along the path) drops below this.
+    enable_suffix_decoding: "eagle3" only: also draft by suffix decoding (the ``suffix_*`` keys),
+        taking the suffix draft where it is long.
     """
 
     method: Method = "ngram"
@@ -93,6 +100,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     suffix_max_spec_factor: float = 1.0
     suffix_max_spec_offset: float = 0.0
     suffix_min_token_prob: float = 0.1
+    enable_suffix_decoding: bool = False
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -108,7 +116,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
         k = self.num_speculative_tokens
         if isinstance(k, int):
             return k
-        if self.method == "suffix":
+        if self.method == "suffix" or self.enable_suffix_decoding:
             return self.suffix_max_tree_depth
         return AUTO_MAX_SPEC_TOKENS if k == "auto" else DEFAULT_NUM_SPEC_TOKENS
 
@@ -208,6 +216,10 @@ def _validate_method(c: SpeculativeConfig) -> None:
     layers = c.draft_num_layers
     if layers is not None and (not _is_int(layers) or layers < 1):
         raise SpecConfigError("draft_num_layers", f"must be an integer >= 1, got {layers!r}")
+    if not isinstance(c.enable_suffix_decoding, bool):
+        raise SpecConfigError("enable_suffix_decoding", f"must be a bool, got {c.enable_suffix_decoding!r}")
+    if c.enable_suffix_decoding and c.method != "eagle3":
+        raise SpecConfigError("enable_suffix_decoding", f"is only used by method 'eagle3', not {c.method!r}")
     if c.method == "self_draft" and layers is None:
         raise SpecConfigError("draft_num_layers", "is required when method is 'self_draft'")
     if c.method != "self_draft" and layers is not None:

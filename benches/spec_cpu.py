@@ -5,7 +5,8 @@ and interleaved prompt by prompt, this runs:
 
 * tokenbudget without speculation (the baseline, and the reference tokens),
 * tokenbudget with each method in ``--methods`` (``ngram:K``, ``suffix``, ``suffix:K``,
-  ``self_draft:LAYERS:K``, ``eagle3:K`` (the shipped head; ``eagle3:K:DIR`` another); K may be
+  ``self_draft:LAYERS:K``, ``eagle3:K`` (the shipped head; ``eagle3:K:DIR`` another),
+  ``eagle3+suffix:K`` (the head plus suffix drafts where text repeats); K may be
   ``auto``: the adaptive controller chooses the draft length per request and step, and may
   turn speculation off where it does not pay),
 * transformers ``generate(prompt_lookup_num_tokens=K, do_sample=False)`` on the same weights
@@ -83,13 +84,15 @@ def parse_method(s: str) -> tuple[str, dict]:
         k = _k(parts[2]) if len(parts) > 2 else 2
         return f"self_draft L={layers} k={k}", {"method": "self_draft", "draft_num_layers": layers,
                                                 "num_speculative_tokens": k}
-    if m == "eagle3":
+    if m in ("eagle3", "eagle3+suffix"):
         k = _k(parts[1]) if len(parts) > 1 else 4
         cfg = {"method": "eagle3", "num_speculative_tokens": k}
+        if m == "eagle3+suffix":
+            cfg["enable_suffix_decoding"] = True
         if len(parts) > 2:
             cfg["model"] = ":".join(parts[2:])
-        return f"eagle3 k={k}", cfg
-    raise SystemExit(f"unknown method {s!r}: use ngram:K, suffix[:K], self_draft:LAYERS:K, eagle3[:K[:DIR]] "
+        return f"{m} k={k}", cfg
+    raise SystemExit(f"unknown method {s!r}: use ngram:K, suffix[:K], self_draft:LAYERS:K, eagle3[+suffix][:K[:DIR]] "
                      "(K may be 'auto')")
 
 

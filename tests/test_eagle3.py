@@ -280,6 +280,7 @@ def test_mismatched_head_is_refused(dirs, override, field) -> None:
     ({"method": "eagle3", "num_speculative_tokens": 0}, r"num_speculative_tokens"),
     ({"method": "eagle3", "draft_num_layers": 2}, r"draft_num_layers"),
     ({"method": "ngram", "model": "/x"}, r"speculative_config\['model'\]"),
+    ({"method": "suffix", "enable_suffix_decoding": True}, r"speculative_config\['enable_suffix_decoding'\]"),
 ])
 def test_validation_errors_name_the_field(dirs, spec, match) -> None:
     with pytest.raises(ValueError, match=match):
@@ -357,3 +358,17 @@ def test_shipped_head_on_the_default_model() -> None:
     proposer = llm.engine.speculator.proposer
     assert proposer.head.config.aux_layer_ids == (2, 15, 27) and os.path.isdir(shipped_head_dir())
     assert llm.get_spec_stats().num_draft_tokens > 0 and proposer.num_tracked_requests == 0
+
+
+def test_suffix_decoding_where_text_repeats(dirs) -> None:
+    """``enable_suffix_decoding``: repetitive prompts verify long suffix drafts, the others the
+    head's; greedy output equals plain decoding; the suffix proposer's state is released too."""
+    prompts = ["abc " * 12 + "abc", "The quick brown fox", "hello world, " * 6 + "hello"]
+    want = token_ids(engine(dirs["target"]), prompts, greedy(32))
+    spec = {**eagle(dirs["head"], k="auto"), "enable_suffix_decoding": True}
+    llm = engine(dirs["target"], spec)
+    assert llm.engine.speculator.max_k == 24  # the suffix tree depth bounds the controller
+    assert token_ids(llm, prompts, greedy(32)) == want
+    proposer = llm.engine.speculator.proposer
+    assert proposer.num_suffix_drafts > 0 and proposer.num_draft_forward_tokens > 0
+    assert proposer.num_tracked_requests == 0 and not proposer.suffix._local

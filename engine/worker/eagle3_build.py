@@ -73,8 +73,12 @@ def build_eagle3_proposer(spec_config, max_model_len: int, target, scheduler, ru
         head._rope = RotaryTable(c.head_dim, c.rope_theta, None, max_model_len, head.fc.weight.dtype, target.device)
     if target.quantization in ("int8", "int4") and target.device.type == "cpu":
         quantize_head(head, target.quantization)
+    suffix = None
+    if spec_config.enable_suffix_decoding:
+        from tokenbudget.spec.suffix import SuffixProposer
+        suffix = SuffixProposer.from_config(spec_config, max_model_len)
     runner.set_aux_layers(tuple(c.aux_layer_ids))
-    return Eagle3Proposer(head, target.model.embed, max_model_len, scheduler.config.max_num_batched_tokens)
+    return Eagle3Proposer(head, target.model.embed, max_model_len, scheduler.config.max_num_batched_tokens, suffix)
 
 
 class _QuantLinearModule(nn.Module):

@@ -31,6 +31,12 @@ Transactions: ``propose`` records the state of every request it touches; ``rollb
 records back, ``commit`` drops them. ``observe_target_states`` runs in the commit (slicing only,
 no model code). ``on_finished`` (the engine's one release path) drops the request's state.
 
+With suffix decoding (``enable_suffix_decoding``): each request first gets the suffix proposer's
+draft; one of at least ``SUFFIX_MIN_DRAFT`` tokens (or the whole k) means the text repeats
+(a match at least that long), and that draft is verified instead of the head's, with no
+probabilities (the coupled rule verifies it). The head still catches up on every committed
+position, so it drafts the next step where the repetition stops.
+
 Logits: the head's draft-vocabulary logits are scattered into the target vocabulary through
 ``d2t``; ids outside the draft vocabulary get ``OUTSIDE`` (finite, so a row the request's bans
 leave with only non-draft ids still has a token and is never taken for a request fault). Then the
@@ -58,6 +64,7 @@ OUTSIDE = -1e30  # logit of a target id outside the draft vocabulary
 # prompt's rows wait one step; only a request the controller keeps at k = 0 for long queues more
 # (4096 rows x 3 x hidden, in the head's dtype: 28 MB for the default model).
 MAX_PENDING_ROWS = 4096
+SUFFIX_MIN_DRAFT = 4  # a suffix draft this long (a match of >= 4 tokens) is taken over the head's
 
 
 @dataclass(slots=True)
@@ -97,11 +104,12 @@ class Eagle3Proposer(BaseProposer):
     """Drafts with an :class:`Eagle3Head` over the target's embedding (``embed [V, H]``)."""
 
     def __init__(self, head: Eagle3Head, embed: torch.Tensor, max_model_len: int,
-                 max_batch_tokens: int = 2048) -> None:
+                 max_batch_tokens: int = 2048, suffix=None) -> None:
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.head = head
         self.embed = embed
+        self.suffix = suffix  # a spec.suffix.SuffixProposer, or None
         self.max_model_len = max_model_len
         self.max_batch_tokens = max_batch_tokens
         c = head.config
@@ -116,6 +124,7 @@ class Eagle3Proposer(BaseProposer):
         # Counters (tests, benchmarks): head rows run over target states / from its own outputs.
         self.num_catchup_tokens = 0
         self.num_draft_forward_tokens = 0
+        self.num_suffix_drafts = 0  # requests' drafts taken from suffix decoding
 
     # ---- the step's end: tap states of the committed step ----
     def observe_target_states(self, sched, plan, aux_hidden_states) -> None:
@@ -160,6 +169,13 @@ class Eagle3Proposer(BaseProposer):
         active = [i for i, k in enumerate(ks) if k > 0]
         states = {i: self._state_of(requests[i]) for i in active}
         self._catch_up(requests, states)
+        if self.suffix is not None and active:
+            sfx = self.suffix.propose([requests[i] for i in active], [ks[i] for i in active])
+            for i, d in zip(list(active), sfx):
+                if len(d) >= min(ks[i], SUFFIX_MIN_DRAFT):
+                    drafts[i], probs[i] = d, None
+                    active.remove(i)
+                    self.num_suffix_drafts += 1
         # Draft 1 from the row at L - 2 (a request whose last committed position has no tap
         # state gets no drafts this step: never wrong, and rare).
         active = [i for i in active if states[i].last_pos == requests[i].num_tokens - 2]
@@ -191,11 +207,17 @@ class Eagle3Proposer(BaseProposer):
     def on_finished(self, request: Request) -> None:
         self._state.pop(request.request_id, None)
         self._undo.pop(request.request_id, None)
+        if self.suffix is not None:
+            self.suffix.on_finished(request)
 
     def commit(self) -> None:
         self._undo.clear()
+        if self.suffix is not None:
+            self.suffix.commit()
 
     def rollback(self) -> None:
+        if self.suffix is not None:
+            self.suffix.rollback()
         for rid, saved in self._undo.items():
             if saved is None:
                 self._state.pop(rid, None)
