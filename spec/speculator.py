@@ -11,6 +11,9 @@ at the cap (``draft_limit``), the controller's caps become the drafts' lengths, 
 k_i truncate them. Planning with drafts that do not exist (no n-gram match: most steps of open
 chat) would charge the step for tokens it never runs and make the controller too timid for
 the requests that do have drafts. Model drafters keep choose-then-draft (drafting costs).
+EAGLE-3 with suffix decoding (``enable_suffix_decoding``) does both: the proposer's
+``free_drafts`` (suffix drafts, where long) go draft-then-choose, the other requests
+choose-then-draft with the head.
 
 Transactions: ``propose`` saves the controller's state first; ``rollback`` restores it and
 rolls the proposer back; ``commit`` makes the proposer's changes final.
@@ -41,6 +44,7 @@ class Speculator:
         # k are the first k of the drafts for a larger k), so with a controller the speculator
         # drafts at the cap first and lets the controller choose among real drafts.
         self._free_drafter = config is not None and config.method in ("ngram", "suffix")
+        self._hybrid = config is not None and config.enable_suffix_decoding
         self._saved_controller = None
         self.stats = SpecDecodingStats()
 
@@ -59,7 +63,7 @@ class Speculator:
         if not decoding:
             return None
         max_model_len = scheduler.config.max_model_len
-        drafted = None
+        drafted = free = None
         if self.controller is not None:
             caps = [draft_limit(r, max_model_len) for r in decoding]
             if self._free_drafter:
@@ -67,6 +71,9 @@ class Speculator:
                 # drafts that exist (a request without a match costs nothing and gets k = 0).
                 drafted = self.proposer.propose(decoding, caps)
                 caps = [len(d) for d in drafted]
+            elif self._hybrid:
+                free = self.proposer.free_drafts(decoding, caps)  # per request: drafts or None
+                caps = [c if f is None else len(f) for f, c in zip(free, caps)]
             ks = self.controller.choose(decoding, _base_shape(scheduler, decoding), caps)
         else:
             ks = [draft_limit(r, max_model_len, self.max_k) for r in decoding]
@@ -76,9 +83,27 @@ class Speculator:
         if drafted is not None:
             tokens = [d[:k] for d, k in zip(drafted, ks) if k > 0]
             return DraftBatch([r.request_id for r, _ in chosen], tokens)
+        if free is not None:
+            return self._merge_free(decoding, ks, free)
         reqs = [r for r, _ in chosen]
         tokens = self.proposer.propose(reqs, [k for _, k in chosen])
         return DraftBatch([r.request_id for r in reqs], tokens, self.proposer.take_draft_probs())
+
+    def _merge_free(self, decoding, ks, free) -> DraftBatch:
+        """The chosen requests' drafts: free drafts cut to k, the others drafted by the model."""
+        model = [(r, k) for r, k, f in zip(decoding, ks, free) if k > 0 and f is None]
+        tokens = self.proposer.propose([r for r, _ in model], [k for _, k in model]) if model else []
+        probs = (self.proposer.take_draft_probs() if model else None) or [None] * len(model)
+        drafted = {r.request_id: (t, q) for (r, _), t, q in zip(model, tokens, probs)}
+        ids, out, out_probs = [], [], []
+        for r, k, f in zip(decoding, ks, free):
+            if k <= 0:
+                continue
+            t, q = (f[:k], None) if f is not None else drafted[r.request_id]
+            ids.append(r.request_id)
+            out.append(t)
+            out_probs.append(q)
+        return DraftBatch(ids, out, out_probs if any(q is not None for q in out_probs) else None)
 
     def rollback(self) -> None:
         if self.proposer is None:

@@ -170,12 +170,10 @@ class Eagle3Proposer(BaseProposer):
         states = {i: self._state_of(requests[i]) for i in active}
         self._catch_up(requests, states)
         if self.suffix is not None and active:
-            sfx = self.suffix.propose([requests[i] for i in active], [ks[i] for i in active])
-            for i, d in zip(list(active), sfx):
-                if len(d) >= min(ks[i], SUFFIX_MIN_DRAFT):
+            for i, d in zip(list(active), self.free_drafts([requests[i] for i in active], [ks[i] for i in active])):
+                if d is not None:
                     drafts[i], probs[i] = d, None
                     active.remove(i)
-                    self.num_suffix_drafts += 1
         # Draft 1 from the row at L - 2 (a request whose last committed position has no tap
         # state gets no drafts this step: never wrong, and rare).
         active = [i for i in active if states[i].last_pos == requests[i].num_tokens - 2]
@@ -198,6 +196,19 @@ class Eagle3Proposer(BaseProposer):
                 self._sample(out, requests, rows, drafts, probs)
         self._probs = [torch.stack(p) if p else None for p in probs]
         return drafts
+
+    def free_drafts(self, requests: Sequence[Request], caps: Sequence[int]) -> list[list[int] | None]:
+        """Suffix decoding's drafts (up to ``caps``) where they are long, else None: drafts that
+        cost nothing, for the controller to cut (``spec.speculator``)."""
+        out: list[list[int] | None] = [None] * len(requests)
+        if self.suffix is None:
+            return out
+        ks = [draft_limit(r, self.max_model_len, c) for r, c in zip(requests, caps)]
+        for i, d in enumerate(self.suffix.propose(requests, ks)):
+            if d and len(d) >= min(ks[i], SUFFIX_MIN_DRAFT):
+                out[i] = d
+                self.num_suffix_drafts += 1
+        return out
 
     def take_draft_probs(self) -> list[torch.Tensor | None] | None:
         """Per request of the last ``propose``: q ``[len(drafts), V]`` float32, or None. Handed over once."""
