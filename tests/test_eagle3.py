@@ -360,14 +360,16 @@ def test_shipped_head_on_the_default_model() -> None:
     assert llm.get_spec_stats().num_draft_tokens > 0 and proposer.num_tracked_requests == 0
 
 
-def test_suffix_decoding_where_text_repeats(dirs) -> None:
+@pytest.mark.parametrize("k", ["auto", 5])
+def test_suffix_decoding_where_text_repeats(dirs, k) -> None:
     """``enable_suffix_decoding``: repetitive prompts verify long suffix drafts, the others the
-    head's; greedy output equals plain decoding; the suffix proposer's state is released too."""
+    head's (under "auto": suffix drafts first, cut by the controller); greedy output equals plain
+    decoding; the suffix proposer's state is released too."""
     prompts = ["abc " * 12 + "abc", "The quick brown fox", "hello world, " * 6 + "hello"]
     want = token_ids(engine(dirs["target"]), prompts, greedy(32))
-    spec = {**eagle(dirs["head"], k="auto"), "enable_suffix_decoding": True}
+    spec = {**eagle(dirs["head"], k=k), "enable_suffix_decoding": True}
     llm = engine(dirs["target"], spec)
-    assert llm.engine.speculator.max_k == 24  # the suffix tree depth bounds the controller
+    assert llm.engine.speculator.max_k == (24 if k == "auto" else k)  # auto: the suffix tree depth
     assert token_ids(llm, prompts, greedy(32)) == want
     proposer = llm.engine.speculator.proposer
     assert proposer.num_suffix_drafts > 0 and proposer.num_draft_forward_tokens > 0
