@@ -13,7 +13,9 @@ chat) would charge the step for tokens it never runs and make the controller too
 the requests that do have drafts. Model drafters keep choose-then-draft (drafting costs).
 EAGLE-3 with suffix decoding (``enable_suffix_decoding``) does both: the proposer's
 ``free_drafts`` (suffix drafts, where long) go draft-then-choose, the other requests
-choose-then-draft with the head.
+choose-then-draft with the head. The controller learns the acceptance of the two sources
+apart (a request's free drafts under the key ``request_id + FREE_SOURCE``): a head that misses
+on copied code must not make the controller cut the suffix drafts that hit, nor the reverse.
 
 Transactions: ``propose`` saves the controller's state first; ``rollback`` restores it and
 rolls the proposer back; ``commit`` makes the proposer's changes final.
@@ -32,6 +34,22 @@ from tokenbudget.spec.cost_model import StepShape, request_attention, step_shape
 from tokenbudget.spec.metrics import SpecDecodingStats
 
 
+FREE_SOURCE = "#free"  # the controller's key suffix for a request's free (suffix) drafts
+
+
+class _FreeSource:
+    """A request as the controller sees it when its drafts come from the free source."""
+
+    __slots__ = ("request", "request_id")
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.request_id = request.request_id + FREE_SOURCE
+
+    def __getattr__(self, name: str):
+        return getattr(self.request, name)
+
+
 class Speculator:
     """With no config it is disabled: ``propose`` returns None and the rest does nothing."""
 
@@ -45,6 +63,7 @@ class Speculator:
         # drafts at the cap first and lets the controller choose among real drafts.
         self._free_drafter = config is not None and config.method in ("ngram", "suffix")
         self._hybrid = config is not None and config.enable_suffix_decoding
+        self._free_ids: set[str] = set()  # this step's requests verifying free drafts
         self._saved_controller = None
         self.stats = SpecDecodingStats()
 
@@ -64,6 +83,7 @@ class Speculator:
             return None
         max_model_len = scheduler.config.max_model_len
         drafted = free = None
+        self._free_ids = set()
         if self.controller is not None:
             caps = [draft_limit(r, max_model_len) for r in decoding]
             if self._free_drafter:
@@ -74,7 +94,8 @@ class Speculator:
             elif self._hybrid:
                 free = self.proposer.free_drafts(decoding, caps)  # per request: drafts or None
                 caps = [c if f is None else len(f) for f, c in zip(free, caps)]
-            ks = self.controller.choose(decoding, _base_shape(scheduler, decoding), caps)
+            keyed = [r if f is None else _FreeSource(r) for r, f in zip(decoding, free)] if free else decoding
+            ks = self.controller.choose(keyed, _base_shape(scheduler, decoding), caps)
         else:
             ks = [draft_limit(r, max_model_len, self.max_k) for r in decoding]
         chosen = [(r, k) for r, k in zip(decoding, ks) if k > 0]
@@ -84,6 +105,7 @@ class Speculator:
             tokens = [d[:k] for d, k in zip(drafted, ks) if k > 0]
             return DraftBatch([r.request_id for r, _ in chosen], tokens)
         if free is not None:
+            self._free_ids = {r.request_id for r, k, f in zip(decoding, ks, free) if k > 0 and f is not None}
             return self._merge_free(decoding, ks, free)
         reqs = [r for r, _ in chosen]
         tokens = self.proposer.propose(reqs, [k for _, k in chosen])
@@ -109,6 +131,7 @@ class Speculator:
         if self.proposer is None:
             return
         self.proposer.rollback()
+        self._free_ids = set()
         if self.controller is not None and self._saved_controller is not None:
             self.controller.restore(self._saved_controller)
         self._saved_controller = None
@@ -129,7 +152,9 @@ class Speculator:
             if entry.new_token_ids:
                 stats.observe(entry.num_draft_tokens, entry.num_accepted_tokens)
                 if controller is not None and entry.num_draft_tokens:
-                    controller.observe(entry.request_id, entry.num_draft_tokens, entry.num_accepted_tokens)
+                    key = entry.request_id + (FREE_SOURCE if entry.request_id in self._free_ids else "")
+                    controller.observe(key, entry.num_draft_tokens, entry.num_accepted_tokens)
+        self._free_ids = set()
         if controller is not None and step_seconds is not None and sched is not None:
             controller.observe_step(step_shape(sched), step_seconds)
 
@@ -139,6 +164,8 @@ class Speculator:
         self.proposer.on_finished(request)
         if self.controller is not None:
             self.controller.forget(request.request_id)
+            if self._hybrid:
+                self.controller.forget(request.request_id + FREE_SOURCE)
 
 
 def _base_shape(scheduler, decoding) -> StepShape:
