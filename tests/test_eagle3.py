@@ -374,3 +374,20 @@ def test_suffix_decoding_where_text_repeats(dirs, k) -> None:
     proposer = llm.engine.speculator.proposer
     assert proposer.num_suffix_drafts > 0 and proposer.num_draft_forward_tokens > 0
     assert proposer.num_tracked_requests == 0 and not proposer.suffix._local
+
+
+def test_controller_learns_each_source_apart(dirs) -> None:
+    """Under "auto" the controller keys a request's suffix drafts as ``request_id + '#free'``
+    and its head drafts as ``request_id``; both are forgotten on release."""
+    from tokenbudget.spec.speculator import FREE_SOURCE
+    spec = {**eagle(dirs["head"], k="auto"), "enable_suffix_decoding": True}
+    llm = engine(dirs["target"], spec)
+    eng = llm.engine
+    eng.add_request("rep", "abc " * 12 + "abc", greedy(40))
+    slots = eng.speculator.controller.acceptance._slot
+    seen: set[str] = set()
+    while eng.has_unfinished_requests():
+        eng.step()
+        seen |= set(slots)
+    assert "rep" + FREE_SOURCE in seen
+    assert not slots  # both keys forgotten
