@@ -127,6 +127,33 @@ def test_head_kv_matches_a_from_scratch_reference(dirs, stress) -> None:
         assert float((logits - want_logits).abs().max()) <= 1e-3 * float(want_logits.abs().max())
 
 
+def test_n_greater_than_one_children_borrow_the_prompt_rows(dirs) -> None:
+    """Children 1..n-1 take the prompt from child 0's cached blocks (no tap states for it): they
+    copy child 0's head rows, so no child has a gap and every draft equals the from-scratch
+    reference."""
+    head = load_eagle3(dirs["head"])
+    hf = transformers.LlamaForCausalLM.from_pretrained(dirs["target"]).eval()
+    llm = engine(dirs["target"], eagle(dirs["head"], k=3))
+    proposer = llm.engine.speculator.proposer
+    seen, gaps = [], []
+    inner = proposer.propose
+
+    def recording(requests, num_tokens):
+        drafts = inner(requests, num_tokens)
+        seen.extend((list(r.all_token_ids), d) for r, d in zip(requests, drafts) if d)
+        gaps.extend(st.n != st.next_pos for st in proposer._state.values())
+        return drafts
+
+    proposer.propose = recording
+    out = llm.generate(["prompt number 7: " + "ab" * 20], greedy(16, n=3), use_tqdm=False)[0]
+    assert len(out.outputs) == 3
+    assert llm.engine.core.scheduler.kv.prefix_hits > 0 and proposer.num_borrowed_rows > 0
+    assert gaps and not any(gaps)
+    assert len(seen) > 10
+    for tokens, drafts in seen:
+        assert drafts == reference_drafts(hf, head, tokens, len(drafts))[0]
+
+
 def test_n_greater_than_one_and_structured_output(dirs) -> None:
     base = engine(dirs["target"])
     llm = engine(dirs["target"], eagle(dirs["head"]))

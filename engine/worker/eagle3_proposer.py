@@ -22,8 +22,11 @@ Where tap states come from: ``observe_target_states`` (the commit) slices the ru
 ``aux_hidden_states`` per request and queues the valid rows; ``propose`` runs them. Positions the
 target did not compute have no tap states, and the head's attention simply skips them:
 * a prefix-cache hit (and the children 1..n-1 of an ``n > 1`` request, whose prompt comes from
-  child 0's cached blocks): the head's KV starts at the first computed position. Drafts are
-  weaker for those requests (less context), never wrong: verification decides;
+  child 0's cached blocks): when a live request's head K/V covers the same prefix without a gap
+  (``n > 1`` siblings, a shared system prompt in flight), its rows are copied: a head row depends
+  only on its position, its token and the target's states there, so they are the rows this
+  request would have computed. Otherwise the head's K/V starts at the first computed position:
+  drafts are weaker for that request (less context), never wrong: verification decides;
 * preemption (recompute): rows for positions already queued or run are dropped (same committed
   tokens, same states), so the head's KV survives a preemption unchanged.
 
@@ -77,9 +80,11 @@ class _HeadState:
     last_pos: int = -1                 # position of the last row run
     last_h: torch.Tensor | None = None       # its pre-norm output [H]
     last_logits: torch.Tensor | None = None  # its draft logits [V_draft]
+    tokens: list | None = None               # the request's all_token_ids (the scheduler's list, read only)
 
     def snapshot(self) -> tuple:
-        return (self.k, self.v, self.n, self.next_pos, self.pending, self.last_pos, self.last_h, self.last_logits)
+        return (self.k, self.v, self.n, self.next_pos, self.pending, self.last_pos, self.last_h, self.last_logits,
+                self.tokens)
 
     def reserve(self, rows: int) -> None:
         """Room for ``rows`` rows past ``n`` (a new buffer when full: a snapshot keeps the old one)."""
@@ -125,6 +130,7 @@ class Eagle3Proposer(BaseProposer):
         self.num_catchup_tokens = 0
         self.num_draft_forward_tokens = 0
         self.num_suffix_drafts = 0  # requests' drafts taken from suffix decoding
+        self.num_borrowed_rows = 0  # head K/V rows copied from a request with the same prefix
 
     # ---- the step's end: tap states of the committed step ----
     def observe_target_states(self, sched, plan, aux_hidden_states) -> None:
@@ -249,7 +255,23 @@ class Eagle3Proposer(BaseProposer):
             self._undo[rid] = None if st is None else st.snapshot()
         if st is None:
             st = self._state[rid] = _HeadState(self._empty_kv, self._empty_kv)
+        if st.n == 0 and st.pending and st.pending[0][0] > 0:
+            self._borrow_prefix(st, request.all_token_ids)
+        st.tokens = request.all_token_ids
         return st
+
+    def _borrow_prefix(self, st: _HeadState, tokens: list[int]) -> None:
+        """Rows for positions ``[0, s)`` (``s``: the first position with tap states) from a live
+        request whose head K/V covers them without a gap and whose tokens ``[0, s]`` agree."""
+        s = st.pending[0][0]
+        for other in self._state.values():
+            if other is st or other.tokens is None or other.n < s or other.n != other.next_pos:
+                continue
+            if other.tokens[:s + 1] == tokens[:s + 1]:
+                st.k, st.v = other.k[:s].clone(), other.v[:s].clone()
+                st.n = st.next_pos = s
+                self.num_borrowed_rows += s
+                return
 
     def _catch_up(self, requests: Sequence[Request], states: dict[int, _HeadState]) -> None:
         """Run every queued tap row of ``states`` in rounds of at most ``max_batch_tokens`` rows,
