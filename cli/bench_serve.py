@@ -38,7 +38,8 @@ def add_parser(sub) -> None:
     p.add_argument("--output-json", default=None)
     p.add_argument("--output-png", default=None)
     p.add_argument("--spec-method", choices=SPEC_METHODS)
-    p.add_argument("--spec-model", default=None, help="a draft model (draft_model) or an EAGLE-3 head directory (eagle3)")
+    p.add_argument("--spec-model", default=None,
+                   help="a draft model (draft_model) or an EAGLE-3 head directory (eagle3)")
     p.add_argument("--num-spec-tokens", default=None)
     p.add_argument("--speculative-config", default=None)
     p.add_argument("--no-spec", action="store_true")

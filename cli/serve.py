@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the file's name)")
     p.add_argument("--grace-period", type=float, default=30.0, help="seconds to drain requests on SIGTERM")
     p.add_argument("--spec-method", choices=SPEC_METHODS)
-    p.add_argument("--spec-model", default=None, help="a draft model (draft_model) or an EAGLE-3 head directory (eagle3)")
+    p.add_argument("--spec-model", default=None,
+                   help="a draft model (draft_model) or an EAGLE-3 head directory (eagle3)")
     p.add_argument("--num-spec-tokens", default=None, help="drafts per step, or 'auto'")
     p.add_argument("--speculative-config", help="full speculative_config as JSON (overrides --spec-*)")
     p.add_argument("--no-spec", action="store_true", help="disable speculative decoding")

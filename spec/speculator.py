@@ -33,7 +33,6 @@ from tokenbudget.scheduler.request import Request
 from tokenbudget.spec.cost_model import StepShape, request_attention, step_shape
 from tokenbudget.spec.metrics import SpecDecodingStats
 
-
 FREE_SOURCE = "#free"  # the controller's key suffix for a request's free (suffix) drafts
 
 

@@ -374,8 +374,9 @@ def test_pending_tap_rows_are_capped(dirs, baseline, monkeypatch) -> None:
 def test_shipped_head_on_the_default_model() -> None:
     """``"model"`` omitted: the head shipped for SmolLM2-135M-Instruct, on the default model's C
     forward (int4, the head quantized alike); greedy output equals plain decoding."""
-    from engine_fixtures import ENGINE_OPTS, default_target
     from tokenbudget.engine.worker.eagle3_build import shipped_head_dir
+
+    from engine_fixtures import ENGINE_OPTS, default_target
 
     prompts = ["Tell me about the moon.", "def fibonacci(n):"]
     target = default_target()

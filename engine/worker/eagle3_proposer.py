@@ -11,7 +11,7 @@ valid rows: a prefill chunk's, the verified position and the accepted drafts), a
 draft's embedding; their K/V live only inside ``propose`` (the next step recomputes those
 positions from the target's own states, as vLLM does), so rejected drafts leave nothing behind.
 
-State per request (``_HeadState``): the head's K/V over the positions it ran (rows ``[0, n)`` of
+State per request (``HeadState``): the head's K/V over the positions it ran (rows ``[0, n)`` of
 a buffer that grows by doubling; rows past ``n`` are scratch: the draft steps' K/V), ``next_pos``
 (every position below it was run or has no tap state), the committed tap rows not yet run
 (``pending``), and the last run row's output (``last_pos``, ``last_h``, ``last_logits``: draft 1
@@ -51,13 +51,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from tokenbudget.engine.model.eagle3 import Eagle3Head
 from tokenbudget.engine.worker.draft_sampling import sample_drafts, wants_probs
+from tokenbudget.engine.worker.eagle3_kv import HeadState, segment_attend
 from tokenbudget.scheduler.drafts import draft_limit
 from tokenbudget.scheduler.request import Request
 from tokenbudget.spec.proposer import BaseProposer
@@ -68,41 +67,6 @@ OUTSIDE = -1e30  # logit of a target id outside the draft vocabulary
 # (4096 rows x 3 x hidden, in the head's dtype: 28 MB for the default model).
 MAX_PENDING_ROWS = 4096
 SUFFIX_MIN_DRAFT = 4  # a suffix draft this long (a match of >= 4 tokens) is taken over the head's
-
-
-@dataclass(slots=True)
-class _HeadState:
-    k: torch.Tensor                    # [capacity, kv_heads, D] (after RoPE), positions in increasing order
-    v: torch.Tensor
-    n: int = 0                         # rows of k / v that hold run positions
-    next_pos: int = 0                  # positions < next_pos: run, or without tap states
-    pending: tuple = ()                # ((first position, aux rows [m, 3 * H_t]), ...) not yet run
-    last_pos: int = -1                 # position of the last row run
-    last_h: torch.Tensor | None = None       # its pre-norm output [H]
-    last_logits: torch.Tensor | None = None  # its draft logits [V_draft]
-    tokens: list | None = None               # the request's all_token_ids (the scheduler's list, read only)
-
-    def snapshot(self) -> tuple:
-        return (self.k, self.v, self.n, self.next_pos, self.pending, self.last_pos, self.last_h, self.last_logits,
-                self.tokens)
-
-    def reserve(self, rows: int) -> None:
-        """Room for ``rows`` rows past ``n`` (a new buffer when full: a snapshot keeps the old one)."""
-        need = self.n + rows
-        if need > self.k.shape[0]:
-            cap = max(need, 2 * self.k.shape[0], 64)
-            k = self.k.new_empty((cap, *self.k.shape[1:]))
-            v = self.v.new_empty((cap, *self.v.shape[1:]))
-            k[:self.n], v[:self.n] = self.k[:self.n], self.v[:self.n]
-            self.k, self.v = k, v
-
-    @property
-    def covered(self) -> int:
-        """Positions below this are run or queued."""
-        if self.pending:
-            start, rows = self.pending[-1]
-            return start + rows.shape[0]
-        return self.next_pos
 
 
 class Eagle3Proposer(BaseProposer):
@@ -122,7 +86,7 @@ class Eagle3Proposer(BaseProposer):
         self.dtype, self.device = w.dtype, w.device
         self._empty_kv = torch.zeros((0, c.num_key_value_heads, c.head_dim), dtype=self.dtype, device=self.device)
         self._target_ids = head.to_target_ids(torch.arange(c.draft_vocab_size, device=self.device))
-        self._state: dict[str, _HeadState] = {}
+        self._state: dict[str, HeadState] = {}
         self._undo: dict[str, tuple | None] = {}
         self._probs: list[torch.Tensor | None] | None = None
         self._threads = torch.get_num_threads()  # the engine's intra-op threads (propose runs on fewer)
@@ -146,7 +110,7 @@ class Eagle3Proposer(BaseProposer):
                 rows = rows.to(self.dtype)
             st = self._state.get(sr.request_id)
             if st is None:
-                st = self._state[sr.request_id] = _HeadState(self._empty_kv, self._empty_kv)
+                st = self._state[sr.request_id] = HeadState(self._empty_kv, self._empty_kv)
             skip = max(0, st.covered - start)  # a recompute after preemption: those rows are queued or run
             if skip >= valid:
                 continue
@@ -195,7 +159,7 @@ class Eagle3Proposer(BaseProposer):
                 positions = torch.tensor([requests[i].num_tokens - 2 + j for i in rows], device=self.device)
                 segments = [(states[i], states[i].n + j - 1, 1) for i in rows]
                 h, out = self.head(self.embed[tokens].to(self.dtype), torch.stack([hidden[i] for i in rows]),
-                                   positions, _segment_attend(segments))
+                                   positions, segment_attend(segments))
                 for r, i in enumerate(rows):
                     hidden[i] = h[r]
                 self.num_draft_forward_tokens += len(rows)
@@ -239,7 +203,7 @@ class Eagle3Proposer(BaseProposer):
             if saved is None:
                 self._state.pop(rid, None)
             else:
-                self._state[rid] = _HeadState(*saved)
+                self._state[rid] = HeadState(*saved)
         self._undo.clear()
         self._probs = None
 
@@ -248,19 +212,19 @@ class Eagle3Proposer(BaseProposer):
         return len(self._state)
 
     # ---- internals ----
-    def _state_of(self, request: Request) -> _HeadState:
+    def _state_of(self, request: Request) -> HeadState:
         rid = request.request_id
         st = self._state.get(rid)
         if rid not in self._undo:
             self._undo[rid] = None if st is None else st.snapshot()
         if st is None:
-            st = self._state[rid] = _HeadState(self._empty_kv, self._empty_kv)
+            st = self._state[rid] = HeadState(self._empty_kv, self._empty_kv)
         if st.n == 0 and st.pending and st.pending[0][0] > 0:
             self._borrow_prefix(st, request.all_token_ids)
         st.tokens = request.all_token_ids
         return st
 
-    def _borrow_prefix(self, st: _HeadState, tokens: list[int]) -> None:
+    def _borrow_prefix(self, st: HeadState, tokens: list[int]) -> None:
         """Rows for positions ``[0, s)`` (``s``: the first position with tap states) from a live
         request whose head K/V covers them without a gap and whose tokens ``[0, s]`` agree."""
         s = st.pending[0][0]
@@ -273,7 +237,7 @@ class Eagle3Proposer(BaseProposer):
                 self.num_borrowed_rows += s
                 return
 
-    def _catch_up(self, requests: Sequence[Request], states: dict[int, _HeadState]) -> None:
+    def _catch_up(self, requests: Sequence[Request], states: dict[int, HeadState]) -> None:
         """Run every queued tap row of ``states`` in rounds of at most ``max_batch_tokens`` rows,
         each round one head forward over one piece per request (a piece sees the request's K/V
         from earlier rounds, so a request's pieces never share a round)."""
@@ -300,7 +264,7 @@ class Eagle3Proposer(BaseProposer):
             queue = later
             self._run_round(requests, states, round_)
 
-    def _run_round(self, requests: Sequence[Request], states: dict[int, _HeadState], pieces) -> None:
+    def _run_round(self, requests: Sequence[Request], states: dict[int, HeadState], pieces) -> None:
         ids, hidden, positions, segments, lengths = [], [], [], [], []
         for i, start, rows in pieces:
             st = states[i]
@@ -318,7 +282,7 @@ class Eagle3Proposer(BaseProposer):
         last_rows = torch.tensor(lengths).cumsum(0) - 1  # logits of each piece's last row only
         with _threads(self._threads if sum(lengths) > SMALL_WORK else 1):
             h, logits = head(self.embed[torch.cat(ids).to(self.device)].to(self.dtype), fused,
-                             torch.cat(positions).to(self.device), _segment_attend(segments),
+                             torch.cat(positions).to(self.device), segment_attend(segments),
                              logit_rows=last_rows.to(self.device))
         self.num_catchup_tokens += h.shape[0]
         for r, ((i, start, rows), end) in enumerate(zip(pieces, last_rows.tolist())):
@@ -375,43 +339,3 @@ def _threads(n: int) -> Iterator[None]:
 def _plain_greedy(request: Request) -> bool:
     params = request.sampling_params
     return (params is None or (params.is_greedy and not params.needs_row_preparation)) and not request.min_tokens_banned
-
-
-def _segment_attend(segments):
-    """``attend`` for rows grouped by request: ``segments[s] = (state, at, n)``: the next ``n`` rows
-    are that request's positions in order; their K/V are written to rows ``[at, at + n)`` of its
-    buffers (reserved by the caller) and they see rows ``[0, at)`` and, causally, each other."""
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        outs, row = [], 0
-        for st, at, n in segments:
-            st.k[at:at + n] = k[row:row + n]
-            st.v[at:at + n] = v[row:row + n]
-            outs.append(_attention(q[row:row + n], st.k[:at + n], st.v[:at + n], at))
-            row += n
-        return torch.cat(outs)
-    return attend
-
-
-SMALL_QUERY = 64  # rows up to which attention is two small matmuls rather than SDPA
-
-
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: int) -> torch.Tensor:
-    """``q [n, heads, D]`` (positions ``at .. at + n - 1``) over ``k, v [at + n, kv_heads, D]``,
-    causal. Few query rows (every draft step, a verify's catch-up) go through two batched matmuls
-    per KV head group: SDPA's CPU kernel costs milliseconds of thread start-up for one query row
-    (measured 2.6 ms vs 0.07 ms at 400 keys, 2 threads), more than the head's whole layer."""
-    n, heads, d = q.shape
-    kv_heads = k.shape[1]
-    if n > SMALL_QUERY:
-        mask = torch.ones((n, at + n), dtype=torch.bool, device=q.device).tril(diagonal=at)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           attn_mask=mask, enable_gqa=heads != kv_heads)
-        return o.transpose(0, 1).reshape(n, heads * d)
-    rep = heads // kv_heads
-    qg = q.view(n, kv_heads, rep, d).permute(1, 2, 0, 3).reshape(kv_heads, rep * n, d)
-    scores = torch.bmm(qg, k.permute(1, 2, 0)) * d ** -0.5      # [kv_heads, rep * n, keys]
-    if n > 1:
-        masked = torch.ones((n, at + n), dtype=torch.bool, device=q.device).triu(diagonal=at + 1)
-        scores = scores.view(kv_heads, rep, n, at + n).masked_fill(masked, float("-inf")).view_as(scores)
-    o = torch.bmm(scores.softmax(dim=-1), v.transpose(0, 1))    # [kv_heads, rep * n, D]
-    return o.view(kv_heads, rep, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
