@@ -198,3 +198,13 @@ def test_cli_rejects_bad_sizes_naming_the_field(capsys):
 
     assert main(["train-draft", "--draft-vocab", "0"]) == 2
     assert "draft_vocab" in capsys.readouterr().err
+
+
+def test_acceptance_summary_counts_leading_matches():
+    from tokenbudget.training.evaluate import _summary
+
+    # accepted lengths of 5 chains at k = 3: reach 1: 4 chains, reach 2: 2, reach 3: 1
+    s = _summary(torch.tensor([0, 1, 2, 3, 1]), 3)
+    assert s["tau"] == pytest.approx(1 + 7 / 5)
+    assert s["accept_at_position"] == [0.8, 0.5, 0.5]
+    assert s["reach_position"] == [0.8, 0.4, 0.2]
