@@ -186,7 +186,11 @@ class Pipeline:
     def evaluate(self, head_dir: str) -> dict:
         loaded = self.loaded()
         head = load_eagle3(head_dir, num_target_layers=loaded.config.num_hidden_layers)
-        res = self._timed("evaluate", lambda: acceptance(head, self.embed(), self.features("heldout"), self.cfg.eval_k))
+        # greedy responses of a small model often loop until max_tokens: report those apart
+        ended = ["(response hit max_tokens)" if len(c.response_ids) >= self.cfg.max_tokens else "(response ended)"
+                 for c in self.responses()["heldout"]]
+        res = self._timed("evaluate", lambda: acceptance(head, self.embed(), self.features("heldout"),
+                                                         self.cfg.eval_k, groups=ended))
         _write_json(self.path("eval.json"), res)
         return res
 
