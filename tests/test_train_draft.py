@@ -208,3 +208,10 @@ def test_acceptance_summary_counts_leading_matches():
     assert s["tau"] == pytest.approx(1 + 7 / 5)
     assert s["accept_at_position"] == [0.8, 0.5, 0.5]
     assert s["reach_position"] == [0.8, 0.4, 0.2]
+
+
+def test_work_dir_refuses_other_data_settings(tiny_dir, tmp_path):
+    Pipeline(_tiny_config(tiny_dir, tmp_path / "w"), use_tqdm=False, log=lambda *_: None)
+    Pipeline(_tiny_config(tiny_dir, tmp_path / "w", eval_k=2), use_tqdm=False, log=lambda *_: None)  # eval only
+    with pytest.raises(ValueError, match="train_prompts"):
+        Pipeline(_tiny_config(tiny_dir, tmp_path / "w", train_prompts=11), use_tqdm=False, log=lambda *_: None)

@@ -76,8 +76,27 @@ class Pipeline:
         os.makedirs(os.path.join(self.dir, "features"), exist_ok=True)
         self._llm = self._loaded = None
         self.times = self._read("times.json", dict) or {}
+        self._check_work_dir()
 
     # -- plumbing ---------------------------------------------------------------------------
+    _DATA_FIELDS = ("model", "train_prompts", "heldout_prompts", "self_written", "max_tokens", "max_len",
+                    "draft_vocab", "shard_size", "seed")
+
+    def _check_work_dir(self) -> None:
+        """A work dir holds one run: its cached stages are reused only for the same settings
+        (data settings always; model and training settings once training has started)."""
+        cfg = msgspec.to_builtins(self.cfg)
+        old = self._read("config.json", dict)
+        if old is not None:
+            fields = list(self._DATA_FIELDS)
+            if os.path.exists(self.path("checkpoint.pt")):
+                fields += ["intermediate_size", "train"]
+            bad = [f for f in fields if f in old and old[f] != cfg[f]]
+            if bad:
+                raise ValueError(f"{bad[0]}: {self.dir!r} holds a run made with {bad[0]}={old[bad[0]]!r}, not "
+                                 f"{cfg[bad[0]]!r}; use another work dir (or the same settings to resume)")
+        _write_json(self.path("config.json"), cfg)
+
     def path(self, name: str) -> str:
         return os.path.join(self.dir, name)
 
