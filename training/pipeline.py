@@ -37,9 +37,9 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str | None = None
     work_dir: str = "train-draft-work"
     out: str | None = None            # export directory; None = work_dir/head
-    train_prompts: int = 1200
-    heldout_prompts: int = 120
-    self_written: float = 0.5
+    train_prompts: int = 1600
+    heldout_prompts: int = 100
+    self_written: float = 0.35
     max_tokens: int = 192
     max_len: int = 512
     draft_vocab: int = 4096
