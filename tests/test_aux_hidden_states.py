@@ -7,7 +7,8 @@ chosen layers, out of the forward that already runs, on every forward path.
   and a rerun of the step recomputes them;
 - the C decoder forward's taps equal the torch path's within the kernels' tolerance, for every C
   variant this CPU runs, and its output stays bitwise the same with taps on and off;
-- bad ids and the CUDA graph wrapper are refused; the default model taps on its C path.
+- bad ids are refused; the default model taps on its C path. (The CUDA graph wrapper's taps:
+  tests/test_cuda_graphs.py.)
 """
 
 from __future__ import annotations
@@ -182,26 +183,6 @@ def test_bad_aux_layers_are_refused_naming_the_field():
     assert model.aux_layers is None
     model.set_aux_layers(())
     assert model.aux_layers is None
-
-
-def test_cuda_graph_wrapper_refuses_taps_naming_cuda_graphs():
-    from tokenbudget.engine.worker.cuda_graphs import CUDAGraphRunner
-    from tokenbudget.kernels.attention.base import AttentionSpec
-    from tokenbudget.kernels.attention.flashinfer_backend import FlashInferBackend
-
-    import flashinfer_standin as fis
-    from replay_driver import ReplayDriver
-
-    cfg = tbi.CFG
-    model = build_model(cfg, tbi.random_state_dict(cfg), torch.float32, "cpu")
-    caches = allocate_kv_caches(cfg, 8, 16, torch.float32, "cpu")
-    backend = FlashInferBackend(AttentionSpec(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.resolved_head_dim,
-                                              16, torch.float32), "cpu", flashinfer=fis, num_sms=132)
-    graphs = CUDAGraphRunner(model, caches, backend, batch_sizes=(1,), max_pages_per_req=4, driver=ReplayDriver())
-    with pytest.raises(ValueError, match="cuda_graphs"):
-        graphs.set_aux_layers((0, 1))
-    graphs.set_aux_layers(None)
-    assert graphs.aux_layers is None
 
 
 def test_a_drafting_view_of_a_tapped_target_taps_nothing():

@@ -146,6 +146,38 @@ def test_verify_longer_than_a_uniform_group_runs_eagerly(setup):
     assert runner._bucket_for([0, 17]) is None
 
 
+def test_graphs_keep_the_taps_like_the_eager_forward(setup):
+    """EAGLE-3 taps (set_aux_layers) recapture the graphs, which then return the eager forward's
+    taps and hidden state bit for bit: padded buckets, padded draft counts, and the eager path."""
+    model, caches, backend, _ = setup
+    runner = CUDAGraphRunner(model, caches, backend, batch_sizes=(1, 2, 3), draft_lens=(0, 2),
+                             max_pages_per_req=MAX_PAGES, driver=ReplayDriver())
+    runner.capture()
+    try:
+        runner.set_aux_layers((1, 0))
+        assert runner.driver.captures == 12 and runner.aux_layers == (1, 0)
+        for q_lens, kv_lens, seed in (([1, 1], [9, 40], 1), ([3, 1, 2], [50, 17, 90], 5), ([5, 1], [5, 30], 9)):
+            qo, kv, tables, ids, pos, slots = _step(q_lens, kv_lens, seed)
+            snapshot = [c.clone() for c in caches]
+            want = model(ids, pos, backend.build_metadata(qo, kv, tables, slots), [c.clone() for c in caches])
+            want_aux = model.aux_hidden_states
+            got = runner(ids, pos, backend.build_metadata(qo, kv, tables, slots), caches)
+            for c, s in zip(caches, snapshot):
+                c.copy_(s)
+            assert want_aux.shape == (qo[-1], 2 * CFG.hidden_size)
+            assert torch.equal(got, want) and torch.equal(runner.aux_hidden_states, want_aux)
+        runner.set_aux_layers(None)
+        assert runner.driver.captures == 18
+        qo, kv, tables, ids, pos, slots = _step([1], [20], 2)
+        snapshot = [c.clone() for c in caches]
+        runner(ids, pos, backend.build_metadata(qo, kv, tables, slots), caches)
+        for c, s in zip(caches, snapshot):
+            c.copy_(s)
+        assert runner.aux_hidden_states is None
+    finally:
+        model.set_aux_layers(None)  # the module's model is shared
+
+
 # ---- GPU ----------------------------------------------------------------------------------
 
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
@@ -171,6 +203,31 @@ def test_real_cuda_graphs_match_eager():
     want = model(ids, pos, backend.build_metadata(qo, kv, tables, slots), eager)
     got = runner(ids, pos, backend.build_metadata(qo, kv, tables, slots), caches)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not HAS_FLASHINFER, reason="flashinfer is not installed")
+def test_real_cuda_graphs_keep_the_taps():
+    dev = torch.device("cuda")
+    cfg = msgspec.structs.replace(CFG, head_dim=64)
+    model = build_model(cfg, random_state_dict(cfg, seed=4), torch.bfloat16, dev)
+    spec = AttentionSpec(CFG.num_attention_heads, CFG.num_key_value_heads, 64, BLOCK, torch.bfloat16)
+    caches = [torch.zeros(NUM_BLOCKS, 2, BLOCK, CFG.num_key_value_heads, 64, dtype=torch.bfloat16,
+                          device=dev) for _ in range(CFG.num_hidden_layers)]
+    backend = FlashInferBackend(spec, dev)
+    runner = CUDAGraphRunner(model, caches, backend, batch_sizes=(1, 2, 3), draft_lens=(0, 2),
+                             max_pages_per_req=MAX_PAGES)
+    runner.capture()
+    runner.set_aux_layers((1, 0))  # recaptures with the taps
+    qo, kv, tables, ids, pos, slots = _step([3, 1, 2], [50, 17, 90], seed=5)
+    ids, pos, slots = ids.to(dev), pos.to(dev), slots.to(dev)
+    want = model(ids, pos, backend.build_metadata(qo, kv, tables, slots), [c.clone() for c in caches])
+    want_aux = model.aux_hidden_states
+    got = runner(ids, pos, backend.build_metadata(qo, kv, tables, slots), caches)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert runner.aux_hidden_states.dtype == torch.float32
+    torch.testing.assert_close(runner.aux_hidden_states, want_aux, atol=2e-2, rtol=2e-2)
 
 
 def test_logits_are_not_rounded_to_bf16():
