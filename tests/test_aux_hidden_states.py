@@ -168,6 +168,7 @@ def test_c_forward_taps_match_the_torch_path_and_leave_its_output_bitwise_unchan
             results[None, True], results[TAPS, True], results[TAPS, False]):
         assert aux_off is None
         assert torch.equal(h_on, h_off)  # taps change nothing the forward computes
+        assert torch.equal(model.compute_logits(h_on), model.compute_logits(h_off))
         assert aux_c.shape == (ids.numel(), len(TAPS) * CFG64.hidden_size)
         h = CFG64.hidden_size
         assert torch.equal(aux_c[:, h:2 * h], model.embed[ids])  # tap 0: the embedding rows, copied
@@ -177,10 +178,12 @@ def test_c_forward_taps_match_the_torch_path_and_leave_its_output_bitwise_unchan
 
 def test_bad_aux_layers_are_refused_naming_the_field():
     model = build_model(tbi.CFG, tbi.random_state_dict(tbi.CFG), torch.float32, "cpu")
-    for bad in ((0, 2), (-1,), (1, 1), ("1",), (True,), 3):
+    for bad in ((0, 2), (-1,), (1, 1), ("1",), (True,), (1.0,), 3):
         with pytest.raises(ValueError, match="aux_layers"):
             model.set_aux_layers(bad)
     assert model.aux_layers is None
+    model.set_aux_layers(torch.tensor([1, 0]))  # what a config or a tensor of ids gives
+    assert model.aux_layers == (1, 0) and all(type(i) is int for i in model.aux_layers)
     model.set_aux_layers(())
     assert model.aux_layers is None
 

@@ -21,6 +21,7 @@ leaves none behind.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 
 
@@ -35,9 +36,18 @@ def check_aux_layers(ids: Iterable[int] | None, num_layers: int) -> tuple[int, .
         raise ValueError(f"aux_layers: expected a sequence of layer indices or None, got {ids!r}") from None
     if not taps:
         return None
+    out = []
     for i in taps:
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers:
+        try:
+            if isinstance(i, bool):
+                raise TypeError
+            j = operator.index(i)  # ints, numpy ints, 0-d integer tensors
+        except TypeError:
+            j = None
+        if j is None or not 0 <= j < num_layers:
             raise ValueError(f"aux_layers: {i!r} is not a decoder layer index in [0, {num_layers})")
+        out.append(j)
+    taps = tuple(out)
     if len(set(taps)) != len(taps):
         raise ValueError(f"aux_layers: repeated layer index in {taps}")
     return taps
