@@ -5,8 +5,9 @@ kv_caches)`` signature and is itself a drop-in model (same call, ``compute_logit
 through), so ``ModelRunner(model=CUDAGraphRunner(...), ...)`` needs no other change.
 
 Buckets: every ``(B, L)`` with ``B`` in ``batch_sizes`` and ``L = 1 + k`` for ``k`` in
-``draft_lens`` up to ``UNIFORM_MAX_Q_LEN`` (a longer verify runs eagerly); in deterministic mode
-every ``L`` is the backend's one planned length (``planned_q_len``), as in its eager groups. All
+``draft_lens`` up to ``UNIFORM_MAX_Q_LEN`` (a longer verify runs eagerly). A bucket's model runs
+``B * L`` rows; its attention plans the backend's padded length (``planned_q_len``, the tile
+floor), as the eager groups do, so replay and eager run the same tile. All
 graphs are captured at start-up (:meth:`capture`), largest first, sharing one memory pool. A step
 of ``b`` requests with ``1 <= q_len <= L`` rows each runs in the graph of the smallest captured
 ``L >= max q_len`` and the smallest ``B >= b``: draft counts that vary from request to request
@@ -98,10 +99,8 @@ class CUDAGraphRunner:
         self.backend = backend
         self.driver = driver
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
-        # a verify longer than a uniform group (k >= 16) runs eagerly instead of failing start-up;
-        # deterministic mode plans every uniform group with one L, so its buckets collapse to it
-        planned = getattr(backend, "planned_q_len", lambda q_len: q_len)
-        self.q_lens = tuple(sorted({planned(1 + k) for k in draft_lens if 1 + k <= UNIFORM_MAX_Q_LEN}))
+        # a verify longer than a uniform group (k >= 16) runs eagerly instead of failing start-up
+        self.q_lens = tuple(sorted({1 + k for k in draft_lens if 1 + k <= UNIFORM_MAX_Q_LEN}))
         self.max_pages_per_req = max_pages_per_req
         self.num_warmup = num_warmup
         self.graphs: dict[tuple[int, int], _Captured] = {}
