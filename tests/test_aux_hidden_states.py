@@ -18,6 +18,8 @@ import random
 import pytest
 import torch
 import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tokenbudget.engine.model import build_model
 from tokenbudget.engine.model.config import ModelConfig
@@ -174,6 +176,29 @@ def test_c_forward_taps_match_the_torch_path_and_leave_its_output_bitwise_unchan
         assert torch.equal(aux_c[:, h:2 * h], model.embed[ids])  # tap 0: the embedding rows, copied
         # the same GEMMs; attention and norms round differently (as test_cpu_kernels' C vs torch)
         assert (aux_c - aux_torch).abs().max() <= 1e-2 * aux_torch.abs().max()
+
+
+@pytest.fixture(scope="module")
+def c_model_all_taps(c_kernels):
+    """An int8 model on the C forward, and its taps of every layer over one mixed batch."""
+    model = _quantized("int8", seed=9)
+    model.set_aux_layers(tuple(range(CFG64.num_hidden_layers)))
+    runner = ModelRunner(model, CFG64, allocate_kv_caches(CFG64, 16, 8, torch.float32, "cpu"), 8, None)
+    reqs = [Request(f"r{i}", list(range(3 + i, 3 + i + n))) for i, n in enumerate((9, 1, 4))]
+    sched = SchedulerOutput([scheduled(r, 0, r.num_tokens, r.all_token_ids, [], [4 * i, 4 * i + 1])
+                             for i, r in enumerate(reqs)])
+    _, aux, _ = _c_step(model, runner, sched)
+    return model, runner, sched, aux
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.integers(0, CFG64.num_hidden_layers - 1), min_size=1, max_size=4, unique=True))
+def test_c_taps_are_the_named_layers_in_the_named_order(c_model_all_taps, ids):
+    model, runner, sched, everything = c_model_all_taps
+    h = CFG64.hidden_size
+    model.set_aux_layers(ids)
+    _, aux, _ = _c_step(model, runner, sched)
+    assert torch.equal(aux, torch.cat([everything[:, i * h:(i + 1) * h] for i in ids], dim=1))
 
 
 def test_bad_aux_layers_are_refused_naming_the_field():

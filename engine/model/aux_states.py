@@ -14,6 +14,9 @@ target keeps (``hidden_states + residual`` before layer ``i``), so published hea
 states they were trained on. ``i`` ranges over ``[0, num_layers)``: HF's entry ``num_layers`` is
 after the final norm, which no head reads.
 
+The forward runs under ``torch.inference_mode``, so the states are inference tensors: training
+code that feeds them to a module with gradients clones them first (outside inference mode).
+
 The states are recomputed by every forward (nothing carries over between steps, so a rolled-back
 or retried step recomputes them) and set to None when a forward starts, so a forward that raises
 leaves none behind.
