@@ -113,12 +113,19 @@ class ModelRunnerOutput:
     ``logprobs[i]``, when requested, holds one entry per committed token (opaque to the scheduler).
     ``prompt_logprobs``: request id -> ``(first prompt position, entries)`` for the prompt tokens
     whose logprobs this step computed (opaque to the scheduler).
+    ``aux_hidden_states``: with aux layers set on the runner's model (EAGLE-3 taps,
+    ``engine/model/aux_states.py``), the target's states at those layers, a ``torch.Tensor``
+    ``[total_num_scheduled_tokens, len(layers) * hidden]`` float32 with one row per scheduled
+    token in the step's flat order (request by request as in ``SchedulerOutput.scheduled``, each
+    request's tokens in position order, drafts included); None without taps. Opaque here (this
+    layer does not import torch); computed by this step's forward, so a retried step has its own.
     """
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[list] | None = None
     prompt_logprobs: dict[str, tuple[int, list]] | None = None
+    aux_hidden_states: Any = None
 
 
 class EngineCoreOutput(msgspec.Struct, gc=False):

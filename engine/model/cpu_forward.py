@@ -77,8 +77,15 @@ class CpuForwardModel:
                  kv_caches: list[torch.Tensor]) -> torch.Tensor:
         m = self.model
         if self.cpu_forward is not None and self.cpu_forward.accepts(kv_caches):
-            return rms_norm(self.cpu_forward(input_ids, positions, attn_metadata, kv_caches), m.norm, m.eps)
+            m.aux_hidden_states = None
+            x, m.aux_hidden_states = self.cpu_forward(input_ids, positions, attn_metadata, kv_caches, m.aux_layers)
+            return rms_norm(x, m.norm, m.eps)
         return m(input_ids, positions, attn_metadata, kv_caches)
+
+    def set_aux_layers(self, ids) -> None:
+        """Taps on both paths (``engine/model/aux_states.py``); the states are the model's
+        ``aux_hidden_states``, whichever path ran."""
+        self.model.set_aux_layers(ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
@@ -90,13 +97,14 @@ class CpuForwardModel:
 class CpuForward:
     """Holds the per-layer ``TbLayer`` array (the model's tensors stay owned by the model)."""
 
-    __slots__ = ("_linears", "_norms", "_table", "_table_key", "model")
+    __slots__ = ("_aux_key", "_aux_tensor", "_linears", "_norms", "_table", "_table_key", "model")
 
     def __init__(self, model):
         self.model = model
         self._norms = [(lw.input_norm.contiguous(), lw.post_norm.contiguous()) for lw in model.layers]
         self._linears = [(_linear(lw.qkv), _linear(lw.o), _linear(lw.gate_up), _linear(lw.down)) for lw in model.layers]
         self._table, self._table_key = None, None
+        self._aux_tensor, self._aux_key = None, None
 
     @classmethod
     def build(cls, model) -> CpuForward | None:
@@ -126,6 +134,12 @@ class CpuForward:
             self._table_key = key
         return self._table
 
+    def _aux_ids(self, aux_layers: tuple[int, ...]) -> torch.Tensor:
+        """The tap ids as the int64 array the C side reads (rebuilt only when they change)."""
+        if self._aux_key != aux_layers:
+            self._aux_tensor, self._aux_key = torch.tensor(aux_layers, dtype=torch.int64), aux_layers
+        return self._aux_tensor
+
     def _check_bounds(self, pos: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, kv: torch.Tensor) -> None:
         """The C code indexes raw memory: an out-of-range position, slot or block must raise here
         (as torch's indexing would on the torch path) instead of reading or writing past a buffer."""
@@ -140,8 +154,11 @@ class CpuForward:
                              f"outside the cache ({num_blocks} blocks of {block_size})")
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
-                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """-> the last layer's residual stream ``[T, hidden]`` (the caller applies the final norm)."""
+                 kv_caches: list[torch.Tensor], aux_layers: tuple[int, ...] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (the last layer's residual stream ``[T, hidden]``, the caller applies the final norm;
+        the residual stream at the input of each layer in ``aux_layers``, ``[T, len * hidden]``,
+        or None without taps)."""
         m = self.model
         t = md.num_tokens
         x = m.embed[input_ids[:t]].contiguous()
@@ -160,11 +177,16 @@ class CpuForward:
         pos = positions[:t].contiguous()
         slots = md.slot_mapping[:t].contiguous()
         self._check_bounds(pos, slots, tables, kv_caches[0])
+        num_aux = len(aux_layers) if aux_layers else 0
+        hsz = m.config.hidden_size
+        aux = torch.empty(t, num_aux * hsz) if num_aux else None
+        aux_ids = self._aux_ids(aux_layers) if num_aux else None
         tb_forward(TbForward(
-            num_tokens=t, hidden=m.config.hidden_size, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+            num_tokens=t, hidden=hsz, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
             head_dim=m.head_dim, intermediate=m.config.intermediate_size, num_layers=len(layers),
             block_size=kv_caches[0].shape[2], max_blocks=max_blocks, num_threads=torch.get_num_threads(),
             eps=m.eps, scale=m.head_dim ** -0.5, layers=layers, x=x.data_ptr(), positions=pos.data_ptr(),
             cos=m.rope.cos.data_ptr(), sin=m.rope.sin.data_ptr(), slots=slots.data_ptr(), row_ctx=ctx.data_ptr(),
-            row_req=req.data_ptr(), block_tables=tables.data_ptr()))
-        return x
+            row_req=req.data_ptr(), block_tables=tables.data_ptr(), num_aux=num_aux,
+            aux_layers=0 if aux_ids is None else aux_ids.data_ptr(), aux=0 if aux is None else aux.data_ptr()))
+        return x, aux

@@ -3,6 +3,8 @@
 Plain PyTorch over a FLAT token batch: ``forward(input_ids[T], positions[T], attn_metadata,
 kv_caches) -> hidden[T, H]`` (after the final norm), ``compute_logits(hidden[S, H]) -> [S, V]``
 fp32, only at the rows that are sampled. q/k/v are fused into one weight, gate/up into one.
+With ``set_aux_layers(ids)`` each forward also keeps ``aux_hidden_states`` (EAGLE-3's taps of the
+residual stream at the input of those layers, ``engine/model/aux_states.py``).
 
 Batch invariance (measured on this CPU: AMD EPYC, AVX-512, torch 2.13 + MKL 2024.2, 1-2 threads)
 ------------------------------------------------------------------------------------------------
@@ -45,6 +47,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenbudget.engine.model.aux_states import check_aux_layers
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.model.layers import Linear, pad_rows, rms_norm, swiglu
 from tokenbudget.engine.model.rope import RotaryTable
@@ -116,6 +119,15 @@ class LlamaForCausalLM(torch.nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.rms_norm = rms_norm  # deterministic mode: the one-row-per-program Triton kernel
+        # EAGLE-3 taps (engine/model/aux_states.py): the layers whose input residual stream each
+        # forward keeps, and the last forward's states [T, len(aux_layers) * hidden] float32.
+        self.aux_layers: tuple[int, ...] | None = None
+        self.aux_hidden_states: torch.Tensor | None = None
+
+    def set_aux_layers(self, ids) -> None:
+        """Keep the residual stream at the input of layers ``ids`` in each forward (None: none)."""
+        self.aux_layers = check_aux_layers(ids, len(self.layers))
+        self.aux_hidden_states = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -129,7 +141,11 @@ class LlamaForCausalLM(torch.nn.Module):
         h, hk, d, q_size, kv_size = self.num_heads, self.num_kv_heads, self.head_dim, self.q_size, self.kv_size
         cos, sin = self.rope.lookup(positions)
         x = self.embed[input_ids]
-        for lw, kv_cache in zip(self.layers, kv_caches):
+        taps, tapped = self.aux_layers, {}
+        self.aux_hidden_states = None
+        for i, (lw, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if taps and i in taps:
+                tapped[i] = x  # x is rebound below, never written in place
             hs = self.rms_norm(x, lw.input_norm, self.eps)
             qkv = lw.qkv(hs)
             qk = self.rope.apply(qkv[:, :q_size + kv_size].view(tp, h + hk, d), cos, sin)
@@ -139,6 +155,8 @@ class LlamaForCausalLM(torch.nn.Module):
             attn = backend.attend(q, kv_cache, attn_metadata)
             x = x + lw.o(attn.reshape(tp, q_size))
             x = x + swiglu(self.rms_norm(x, lw.post_norm, self.eps), lw.gate_up, lw.down)
+        if taps:
+            self.aux_hidden_states = torch.cat([tapped[i][:t] for i in taps], dim=1).float()
         return self.rms_norm(x, self.norm, self.eps)[:t]
 
     @torch.inference_mode()

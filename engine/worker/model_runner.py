@@ -85,6 +85,7 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput(req_ids, [])
         logits, batch, hidden = self._forward(sched)
+        aux = self.model.aux_hidden_states if getattr(self.model, "aux_layers", None) else None
         prompt_logprobs = None
         if wants_prompt_logprobs(sched):
             prompt_logprobs = compute_prompt_logprobs(self.model, hidden, sched, batch.qo_indptr)
@@ -104,7 +105,12 @@ class ModelRunner:
                     logprobs[i] = lp if lp is not None else []
         if self.device.type == "cuda":  # the engine's step clock (the controller's cost model) sees the device work
             torch.cuda.synchronize()
-        return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
+        return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs, aux)
+
+    def set_aux_layers(self, ids) -> None:
+        """From the next step on, ``execute`` also returns the target's states at layers ``ids``
+        (``ModelRunnerOutput.aux_hidden_states``; ``engine/model/aux_states.py``); None: stop."""
+        self.model.set_aux_layers(ids)
 
     @staticmethod
     def _sampling_rows(sched: SchedulerOutput, num_samples: list[int]):

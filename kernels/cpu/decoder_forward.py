@@ -35,7 +35,8 @@ class TbForward(ctypes.Structure):
                 ("head_dim", _I64), ("intermediate", _I64), ("num_layers", _I64), ("block_size", _I64),
                 ("max_blocks", _I64), ("num_threads", _I64), ("eps", _F32), ("scale", _F32),
                 ("layers", ctypes.POINTER(TbLayer)), ("x", _P), ("positions", _P), ("cos", _P), ("sin", _P),
-                ("slots", _P), ("row_ctx", _P), ("row_req", _P), ("block_tables", _P)]
+                ("slots", _P), ("row_ctx", _P), ("row_req", _P), ("block_tables", _P),
+                ("num_aux", _I64), ("aux_layers", _P), ("aux", _P)]
 
 
 def tb_forward(args: TbForward) -> None:
