@@ -24,7 +24,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=int, default=4096)
     p.add_argument("--intermediate-size", type=int, default=768)
     p.add_argument("--ttt-steps", type=int, default=4, help="training-time test unroll length")
-    p.add_argument("--epochs", type=float, default=3.0)
+    p.add_argument("--epochs", type=float, default=8.0)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--batch-tokens", type=int, default=4096)
     p.add_argument("--eval-k", type=int, default=4, help="draft length of the held-out evaluation")

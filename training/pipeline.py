@@ -11,7 +11,8 @@ stage took when it last ran. Stages and files:
 4. vocab        ``vocab.json``              (draft ids: most frequent response ids; coverage)
 5. train        ``checkpoint.pt`` -> ``trained.pt``
 6. export       ``out`` (``save_eagle3``, float16) + ``RECIPE.md``
-7. evaluate     ``eval.json`` (held-out acceptance of the exported head, as loaded back)
+7. evaluate     ``eval.json`` (held-out acceptance of the exported head, as loaded back), and
+                ``eval_engine.json``: the same on the engine's own tap states (``engine_states``)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from tokenbudget.engine.loader import load_model_files
 from tokenbudget.engine.model.eagle3 import default_aux_layer_ids, load_eagle3, save_eagle3
 from tokenbudget.training.data import Conversation, PromptSet, make_prompts, make_responses
+from tokenbudget.training.engine_states import engine_states
 from tokenbudget.training.evaluate import acceptance
 from tokenbudget.training.features import FeatureSet, extract
 from tokenbudget.training.target_forward import TapForward
@@ -211,6 +213,12 @@ class Pipeline:
         res = self._timed("evaluate", lambda: acceptance(head, self.embed(), self.features("heldout"),
                                                          self.cfg.eval_k, groups=ended))
         _write_json(self.path("eval.json"), res)
+
+        def on_engine():  # the same chains on the states the engine serves the head (engine_states)
+            fs, quant = engine_states(self.cfg.model, self.features("heldout"))
+            return {"quantization": quant,
+                    **acceptance(head, self.embed(), fs, self.cfg.eval_k, groups=ended)}
+        _write_json(self.path("eval_engine.json"), self._timed("evaluate_engine_states", on_engine))
         return res
 
     def run(self) -> dict:
@@ -257,6 +265,14 @@ class Pipeline:
             if s.get("chains"):
                 lines.append(f"| {kind} | {s['chains']} | {s['tau']:.2f} | "
                              + " | ".join(f"{a:.2f}" if a is not None else "-" for a in s["accept_at_position"]) + " |")
+        eng = self._read("eval_engine.json", dict)
+        if eng and eng["all"].get("chains"):
+            a = eng["all"]
+            lines += ["", f"The table reads the tap states of a float32 torch forward (what training reads). On "
+                      f"the engine's own states (quantization {eng['quantization']}, the forward that serves "
+                      f"the head): tau {a['tau']:.2f}, accept@j "
+                      + " / ".join(f"{x:.2f}" for x in a["accept_at_position"] if x is not None)
+                      + (f"; chat tau {eng['chat']['tau']:.2f}" if eng.get("chat", {}).get("chains") else "") + "."]
         with open(os.path.join(self.out, "RECIPE.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
 
