@@ -75,11 +75,15 @@ def backend_vs_reference(spec: AttentionSpec, device, seed: int = 0) -> list[dic
 
 
 def row_invariance(spec: AttentionSpec, device, ks: list[int], contexts: list[int],
-                   deterministic: bool, seed: int = 0) -> list[dict]:
+                   deterministic: bool, seed: int = 0, aligned: bool = False) -> list[dict]:
     """For each (k, context): the last row of a 1-token decode at position ``context`` vs the
     same row inside a (1 + k)-token verify ending there, and that verify alone vs inside a
-    mixed batch (a prefill chunk and two decodes next to it). Bitwise comparisons."""
+    mixed batch (a prefill chunk and two decodes next to it). Bitwise comparisons. ``aligned``:
+    tiles aligned to the longest verify (``align_tiles(1 + max(ks))``, what the engine's wiring
+    does when a speculator is configured)."""
     backend = select_attention_backend(device, spec, deterministic=deterministic)
+    if aligned:
+        backend.align_tiles(1 + max(ks))
     rows = []
     for c in contexts:
         for k in ks:
@@ -98,7 +102,8 @@ def row_invariance(spec: AttentionSpec, device, ks: list[int], contexts: list[in
                               torch.cat([extra_q[:64], q, extra_q[64:]]),
                               torch.cat([extra_k[:64], kk, extra_k[64:]]),
                               torch.cat([extra_v[:64], vv, extra_v[64:]]))[64:65 + k]
-            rows.append({"deterministic": deterministic, "k": k, "context": c,
+            rows.append({"deterministic": deterministic, "aligned": aligned or deterministic, "k": k,
+                         "context": c,
                          "decode_eq_verify_row0": bool(torch.equal(decode[0], verify[0])),
                          "verify_alone_eq_mixed": bool(torch.equal(verify, mixed)),
                          "max_abs_diff": max((decode[0] - verify[0]).abs().max().item(),

@@ -175,6 +175,18 @@ def _match(out: list[list[int]], ref: list[list[int]]) -> float:
     return same / total if total else float("nan")
 
 
+def _divergences(out: list[list[int]], ref: list[list[int]]) -> list[tuple[int, int]]:
+    """(request, first differing output index) for every request that differs (for diagnosis)."""
+    bad = []
+    for i, (o, r) in enumerate(zip(out, ref)):
+        j = next((j for j, (a, b) in enumerate(zip(o, r)) if a != b), None)
+        if j is None and len(o) != len(r):
+            j = min(len(o), len(r))
+        if j is not None:
+            bad.append((i, j))
+    return bad
+
+
 def _set_spec(eng, k: int, alpha: float, refs: dict[str, list[int]], seed: int) -> None:
     if k == 0:
         eng.set_speculator(None)
@@ -225,7 +237,8 @@ def bench_decode(eng, batches: list[int], prompt_len: int, max_tokens: int, spec
             row = {"batch": b, "k": k, "alpha": a if k else None, "decode_tok_s": tps,
                    "speedup": tps / base_tps if base_tps else float("nan"),
                    "decode_steps": steps, "ms_per_step": statistics.median(r[2] / max(r[1], 1) for r in res) * 1e3,
-                   "lossless": outs_by_cfg[(k, a)] == ref, "match": _match(outs_by_cfg[(k, a)], ref)}
+                   "lossless": outs_by_cfg[(k, a)] == ref, "match": _match(outs_by_cfg[(k, a)], ref),
+                   "first_divergence": _divergences(outs_by_cfg[(k, a)], ref)}
             if st is not None and st.num_drafts:
                 row["tau"] = 1 + st.num_accepted_tokens / st.num_drafts
                 row["acceptance"] = st.num_accepted_tokens / max(st.num_draft_tokens, 1)

@@ -193,14 +193,17 @@ def build_synthetic_engine(shape: str | ModelConfig = "tiny", device: str | torc
 def apply_engine_modes(eng: SyntheticEngine, *, deterministic: bool = False, cuda_graphs: bool = False,
                        max_spec_tokens: int = 0) -> None:
     """What ``EngineConfig(deterministic=..., cuda_graphs=...)`` does to a built engine, applied to
-    a synthetic one: deterministic mode's batch-invariant GEMMs and single attention tile, then the
-    CUDA-graph wrapper with buckets for k = 0 and ``max_spec_tokens`` (shorter drafts pad into it)."""
+    a synthetic one: deterministic mode's batch-invariant GEMMs and single attention tile, the
+    attention tiles aligned to ``1 + max_spec_tokens`` rows, then the CUDA-graph wrapper with
+    buckets for k = 0 and ``max_spec_tokens`` (shorter drafts pad into it)."""
     runner = eng.runner
     if deterministic:
         from tokenbudget.engine.worker.deterministic import apply_deterministic_mode
         from tokenbudget.kernels.attention import select_attention_backend
         apply_deterministic_mode(eng.model, eng.device)
         runner.attn_backend = select_attention_backend(eng.device, runner.attn_backend.spec, deterministic=True)
+    if max_spec_tokens:  # as the wiring does for a configured speculator
+        runner.attn_backend.align_tiles(1 + max_spec_tokens)
     if cuda_graphs:
         from tokenbudget.engine.worker.cuda_graphs import CUDAGraphRunner
         cfg = eng.scheduler.config

@@ -7,7 +7,8 @@ chosen layers, out of the forward that already runs, on every forward path.
   and a rerun of the step recomputes them;
 - the C decoder forward's taps equal the torch path's within the kernels' tolerance, for every C
   variant this CPU runs, and its output stays bitwise the same with taps on and off;
-- bad ids and the CUDA graph wrapper are refused; the default model taps on its C path.
+- bad ids are refused; the default model taps on its C path. (The CUDA graph wrapper's taps:
+  tests/test_cuda_graphs.py.)
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import random
 import pytest
 import torch
 import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tokenbudget.engine.model import build_model
 from tokenbudget.engine.model.config import ModelConfig
@@ -167,6 +170,7 @@ def test_c_forward_taps_match_the_torch_path_and_leave_its_output_bitwise_unchan
             results[None, True], results[TAPS, True], results[TAPS, False]):
         assert aux_off is None
         assert torch.equal(h_on, h_off)  # taps change nothing the forward computes
+        assert torch.equal(model.compute_logits(h_on), model.compute_logits(h_off))
         assert aux_c.shape == (ids.numel(), len(TAPS) * CFG64.hidden_size)
         h = CFG64.hidden_size
         assert torch.equal(aux_c[:, h:2 * h], model.embed[ids])  # tap 0: the embedding rows, copied
@@ -174,34 +178,39 @@ def test_c_forward_taps_match_the_torch_path_and_leave_its_output_bitwise_unchan
         assert (aux_c - aux_torch).abs().max() <= 1e-2 * aux_torch.abs().max()
 
 
+@pytest.fixture(scope="module")
+def c_model_all_taps(c_kernels):
+    """An int8 model on the C forward, and its taps of every layer over one mixed batch."""
+    model = _quantized("int8", seed=9)
+    model.set_aux_layers(tuple(range(CFG64.num_hidden_layers)))
+    runner = ModelRunner(model, CFG64, allocate_kv_caches(CFG64, 16, 8, torch.float32, "cpu"), 8, None)
+    reqs = [Request(f"r{i}", list(range(3 + i, 3 + i + n))) for i, n in enumerate((9, 1, 4))]
+    sched = SchedulerOutput([scheduled(r, 0, r.num_tokens, r.all_token_ids, [], [4 * i, 4 * i + 1])
+                             for i, r in enumerate(reqs)])
+    _, aux, _ = _c_step(model, runner, sched)
+    return model, runner, sched, aux
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.integers(0, CFG64.num_hidden_layers - 1), min_size=1, max_size=4, unique=True))
+def test_c_taps_are_the_named_layers_in_the_named_order(c_model_all_taps, ids):
+    model, runner, sched, everything = c_model_all_taps
+    h = CFG64.hidden_size
+    model.set_aux_layers(ids)
+    _, aux, _ = _c_step(model, runner, sched)
+    assert torch.equal(aux, torch.cat([everything[:, i * h:(i + 1) * h] for i in ids], dim=1))
+
+
 def test_bad_aux_layers_are_refused_naming_the_field():
     model = build_model(tbi.CFG, tbi.random_state_dict(tbi.CFG), torch.float32, "cpu")
-    for bad in ((0, 2), (-1,), (1, 1), ("1",), (True,), 3):
+    for bad in ((0, 2), (-1,), (1, 1), ("1",), (True,), (1.0,), 3):
         with pytest.raises(ValueError, match="aux_layers"):
             model.set_aux_layers(bad)
     assert model.aux_layers is None
+    model.set_aux_layers(torch.tensor([1, 0]))  # what a config or a tensor of ids gives
+    assert model.aux_layers == (1, 0) and all(type(i) is int for i in model.aux_layers)
     model.set_aux_layers(())
     assert model.aux_layers is None
-
-
-def test_cuda_graph_wrapper_refuses_taps_naming_cuda_graphs():
-    from tokenbudget.engine.worker.cuda_graphs import CUDAGraphRunner
-    from tokenbudget.kernels.attention.base import AttentionSpec
-    from tokenbudget.kernels.attention.flashinfer_backend import FlashInferBackend
-
-    import flashinfer_standin as fis
-    from replay_driver import ReplayDriver
-
-    cfg = tbi.CFG
-    model = build_model(cfg, tbi.random_state_dict(cfg), torch.float32, "cpu")
-    caches = allocate_kv_caches(cfg, 8, 16, torch.float32, "cpu")
-    backend = FlashInferBackend(AttentionSpec(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.resolved_head_dim,
-                                              16, torch.float32), "cpu", flashinfer=fis, num_sms=132)
-    graphs = CUDAGraphRunner(model, caches, backend, batch_sizes=(1,), max_pages_per_req=4, driver=ReplayDriver())
-    with pytest.raises(ValueError, match="cuda_graphs"):
-        graphs.set_aux_layers((0, 1))
-    graphs.set_aux_layers(None)
-    assert graphs.aux_layers is None
 
 
 def test_a_drafting_view_of_a_tapped_target_taps_nothing():

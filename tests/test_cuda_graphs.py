@@ -121,19 +121,53 @@ def test_unbucketed_batches_run_eagerly(setup):
 
 
 def test_deterministic_graphs_are_planned_like_eager(setup):
-    """N4/N7: default-mode graphs plan a padded verify with the bucket's L (its tile may differ
-    from the eager plan by design); deterministic mode plans eager groups and every bucket with
-    one L, so a padded replay runs the eager kernel."""
+    """N4/N7: deterministic mode plans eager groups and every bucket's attention with one L (the
+    tile floor of 16 rows: 9 for this GQA-2 layout), so a padded replay runs the eager kernel;
+    the model itself runs the bucket's own rows (B * L, not B * 16: the H200 run measured a
+    64-request decode bucket at 107 ms when every request was inflated to 16 rows in the GEMMs)."""
     model, caches, _, _ = setup
     backend = FlashInferBackend(_spec(), "cpu", flashinfer=fis, num_sms=132, deterministic=True)
     runner = CUDAGraphRunner(model, caches, backend, batch_sizes=(1, 3), draft_lens=(0, 2),
                              max_pages_per_req=MAX_PAGES, driver=ReplayDriver())
     runner.capture()
-    assert sorted(runner.graphs) == [(1, 16), (3, 16)]
-    _compare((model, caches, backend, runner), [3, 1, 2], [50, 17, 90], seed=5)
-    graph = runner.graphs[(3, 16)].attn.wrapper.plans[-1]
-    eager = backend.uniform_wrapper(16).plans[-1]
-    assert (graph.kernel, graph.cta_tile_q, graph.split_kv) == (eager.kernel, eager.cta_tile_q, False)
+    assert sorted(runner.graphs) == [(1, 1), (1, 3), (3, 1), (3, 3)]
+    assert runner.graphs[(3, 1)].attn.num_tokens == 3
+    assert backend.q_len_floor == 9 and runner.graphs[(3, 1)].attn.plan_len == 9
+    for q_lens in ([3, 1, 2], [1, 1, 1], [1]):
+        _compare((model, caches, backend, runner), q_lens, [50, 17, 90][:len(q_lens)], seed=5)
+        graph = runner._bucket_for(list(_offsets(q_lens))).attn.wrapper.plans[-1]
+        eager = backend.uniform_wrapper(9).plans[-1]
+        assert (graph.kernel, graph.cta_tile_q, graph.split_kv) == (eager.kernel, eager.cta_tile_q, False)
+
+
+def _offsets(q_lens):
+    out = [0]
+    for q in q_lens:
+        out.append(out[-1] + q)
+    return out
+
+
+def test_aligned_tiles_put_decodes_and_verifies_on_one_tile(setup):
+    """Default mode with ``align_tiles(1 + k)``: a GQA-4 decode (4 packed rows) used to run tile 16
+    and a 5-row verify (20) tile 64, so greedy speculation drifted from plain decoding at k >= 4
+    (H200: match 0.02 with an oracle drafter). Aligned, every decode and verify of a request — eager
+    or replayed, padded or not — plans the same CTA tile, and the graph's output equals eager."""
+    model, caches, _, _ = setup
+    spec = AttentionSpec(8, 2, CFG.resolved_head_dim, BLOCK, torch.float32)  # G = 4
+    backend = FlashInferBackend(spec, "cpu", flashinfer=fis, num_sms=132)
+    assert [backend.planned_q_len(q) for q in (1, 3, 5)] == [1, 3, 5]     # not aligned: own L
+    backend.align_tiles(5)
+    assert [backend.planned_q_len(q) for q in (1, 3, 5, 9)] == [5, 5, 5, 9]
+    tiles = set()
+    for q_lens in ([1, 1], [5, 5], [2, 5], [1, 3]):
+        backend.build_metadata(_offsets(q_lens), [40, 60], [[0, 1, 2, 3], [4, 5, 6, 7]],
+                               torch.zeros(sum(q_lens), dtype=torch.long))
+        md = backend.build_metadata(_offsets(q_lens), [40, 60], [[0, 1, 2, 3], [4, 5, 6, 7]],
+                                    torch.zeros(sum(q_lens), dtype=torch.long))
+        for g in md.backend_data.groups:
+            backend.plan(g.wrapper, g.q_len, g.page_table)
+            tiles.add(g.wrapper.plans[-1].cta_tile_q)
+    assert tiles == {64}
 
 
 def test_verify_longer_than_a_uniform_group_runs_eagerly(setup):
@@ -144,6 +178,38 @@ def test_verify_longer_than_a_uniform_group_runs_eagerly(setup):
     runner.capture()
     assert sorted(runner.graphs) == [(1, 1)]
     assert runner._bucket_for([0, 17]) is None
+
+
+def test_graphs_keep_the_taps_like_the_eager_forward(setup):
+    """EAGLE-3 taps (set_aux_layers) recapture the graphs, which then return the eager forward's
+    taps and hidden state bit for bit: padded buckets, padded draft counts, and the eager path."""
+    model, caches, backend, _ = setup
+    runner = CUDAGraphRunner(model, caches, backend, batch_sizes=(1, 2, 3), draft_lens=(0, 2),
+                             max_pages_per_req=MAX_PAGES, driver=ReplayDriver())
+    runner.capture()
+    try:
+        runner.set_aux_layers((1, 0))
+        assert runner.driver.captures == 12 and runner.aux_layers == (1, 0)
+        for q_lens, kv_lens, seed in (([1, 1], [9, 40], 1), ([3, 1, 2], [50, 17, 90], 5), ([5, 1], [5, 30], 9)):
+            qo, kv, tables, ids, pos, slots = _step(q_lens, kv_lens, seed)
+            snapshot = [c.clone() for c in caches]
+            want = model(ids, pos, backend.build_metadata(qo, kv, tables, slots), [c.clone() for c in caches])
+            want_aux = model.aux_hidden_states
+            got = runner(ids, pos, backend.build_metadata(qo, kv, tables, slots), caches)
+            for c, s in zip(caches, snapshot):
+                c.copy_(s)
+            assert want_aux.shape == (qo[-1], 2 * CFG.hidden_size)
+            assert torch.equal(got, want) and torch.equal(runner.aux_hidden_states, want_aux)
+        runner.set_aux_layers(None)
+        assert runner.driver.captures == 18
+        qo, kv, tables, ids, pos, slots = _step([1], [20], 2)
+        snapshot = [c.clone() for c in caches]
+        runner(ids, pos, backend.build_metadata(qo, kv, tables, slots), caches)
+        for c, s in zip(caches, snapshot):
+            c.copy_(s)
+        assert runner.aux_hidden_states is None
+    finally:
+        model.set_aux_layers(None)  # the module's model is shared
 
 
 # ---- GPU ----------------------------------------------------------------------------------
@@ -171,6 +237,31 @@ def test_real_cuda_graphs_match_eager():
     want = model(ids, pos, backend.build_metadata(qo, kv, tables, slots), eager)
     got = runner(ids, pos, backend.build_metadata(qo, kv, tables, slots), caches)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not HAS_FLASHINFER, reason="flashinfer is not installed")
+def test_real_cuda_graphs_keep_the_taps():
+    dev = torch.device("cuda")
+    cfg = msgspec.structs.replace(CFG, head_dim=64)
+    model = build_model(cfg, random_state_dict(cfg, seed=4), torch.bfloat16, dev)
+    spec = AttentionSpec(CFG.num_attention_heads, CFG.num_key_value_heads, 64, BLOCK, torch.bfloat16)
+    caches = [torch.zeros(NUM_BLOCKS, 2, BLOCK, CFG.num_key_value_heads, 64, dtype=torch.bfloat16,
+                          device=dev) for _ in range(CFG.num_hidden_layers)]
+    backend = FlashInferBackend(spec, dev)
+    runner = CUDAGraphRunner(model, caches, backend, batch_sizes=(1, 2, 3), draft_lens=(0, 2),
+                             max_pages_per_req=MAX_PAGES)
+    runner.capture()
+    runner.set_aux_layers((1, 0))  # recaptures with the taps
+    qo, kv, tables, ids, pos, slots = _step([3, 1, 2], [50, 17, 90], seed=5)
+    ids, pos, slots = ids.to(dev), pos.to(dev), slots.to(dev)
+    want = model(ids, pos, backend.build_metadata(qo, kv, tables, slots), [c.clone() for c in caches])
+    want_aux = model.aux_hidden_states
+    got = runner(ids, pos, backend.build_metadata(qo, kv, tables, slots), caches)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert runner.aux_hidden_states.dtype == torch.float32
+    torch.testing.assert_close(runner.aux_hidden_states, want_aux, atol=2e-2, rtol=2e-2)
 
 
 def test_logits_are_not_rounded_to_bf16():

@@ -29,7 +29,7 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     for name in ("backend_vs_ref", "row_invariance", "verify_cost", "spec_equiv"):
         assert secs[name]["status"] == "ok", (name, secs[name])
     assert secs["graph_vs_eager"]["status"].startswith("skipped")
-    assert len(secs["row_invariance"]["rows"]) == 2 * 2 * 2          # modes x ks x contexts
+    assert len(secs["row_invariance"]["rows"]) == 3 * 2 * 2          # modes x ks x contexts
     assert {r["k"] for r in secs["verify_cost"]["rows"]} == set(range(5))
     assert all(r["identical"] for r in secs["spec_equiv"]["rows"])  # CPU is batch-invariant
     md = (tmp_path / "gpu_check.md").read_text()

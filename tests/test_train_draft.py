@@ -5,7 +5,8 @@
 - the training-time test's unrolled attention is exactly drafting with a KV cache (what the engine
   does), position by position;
 - the draft vocabulary survives save/load (d2t/t2d) and maps both ways;
-- the whole pipeline runs end to end on a tiny random Llama, and a rerun skips finished stages.
+- the whole pipeline runs end to end on a tiny random Llama (held-out acceptance on the training
+  side's states and on the engine's own), and a rerun skips finished stages.
 """
 
 from __future__ import annotations
@@ -167,6 +168,8 @@ def test_pipeline_end_to_end_then_resumes_without_redoing_stages(tiny_dir, tmp_p
     s = result["all"]
     assert s["chains"] > 0 and 1.0 <= s["tau"] <= 1.0 + 3
     assert len(s["accept_at_position"]) == 3
+    served = json.loads((tmp_path / "work" / "eval_engine.json").read_text())  # the engine's own tap states
+    assert served["all"]["chains"] == s["chains"] and served["all"]["tau"] == pytest.approx(s["tau"], abs=0.05)
     prompts = json.loads((tmp_path / "work" / "prompts.json").read_text())
     assert len(prompts["train"]) == 10 and len(prompts["heldout"]) == 4
     assert not {p for _, p in prompts["train"]} & {p for _, p in prompts["heldout"]}
@@ -198,3 +201,20 @@ def test_cli_rejects_bad_sizes_naming_the_field(capsys):
 
     assert main(["train-draft", "--draft-vocab", "0"]) == 2
     assert "draft_vocab" in capsys.readouterr().err
+
+
+def test_acceptance_summary_counts_leading_matches():
+    from tokenbudget.training.evaluate import _summary
+
+    # accepted lengths of 5 chains at k = 3: reach 1: 4 chains, reach 2: 2, reach 3: 1
+    s = _summary(torch.tensor([0, 1, 2, 3, 1]), 3)
+    assert s["tau"] == pytest.approx(1 + 7 / 5)
+    assert s["accept_at_position"] == [0.8, 0.5, 0.5]
+    assert s["reach_position"] == [0.8, 0.4, 0.2]
+
+
+def test_work_dir_refuses_other_data_settings(tiny_dir, tmp_path):
+    Pipeline(_tiny_config(tiny_dir, tmp_path / "w"), use_tqdm=False, log=lambda *_: None)
+    Pipeline(_tiny_config(tiny_dir, tmp_path / "w", eval_k=2), use_tqdm=False, log=lambda *_: None)  # eval only
+    with pytest.raises(ValueError, match="train_prompts"):
+        Pipeline(_tiny_config(tiny_dir, tmp_path / "w", train_prompts=11), use_tqdm=False, log=lambda *_: None)

@@ -29,11 +29,13 @@ def _summary(accepted: torch.Tensor, k: int) -> dict:
 
 
 @torch.no_grad()
-def acceptance(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, k: int = 4, batch_convs: int = 8) -> dict:
-    """``{"all": summary, kind: summary...}``; a summary has ``tau``, ``accept_at_position``
+def acceptance(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, k: int = 4, batch_convs: int = 8,
+               groups: list[str] | None = None) -> dict:
+    """``{"all": summary, kind: summary..., group: summary...}`` (``groups``: one more label per
+    conversation, e.g. how its response ended); a summary has ``tau``, ``accept_at_position``
     (P(draft j accepted | drafts before it accepted)) and ``reach_position`` (P(accepted >= j+1))."""
     head.eval()
-    acc_all, kinds = [], []
+    acc_all, convs = [], []
     for s in range(0, len(fs), batch_convs):
         idx = list(range(s, min(s + batch_convs, len(fs))))
         batch = collate(fs, idx)
@@ -44,10 +46,11 @@ def acceptance(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, k: int = 4
         accepted = hits.int().cumprod(0).sum(0)
         acc_all.append(accepted)
         t = tokens.shape[1]
-        kinds += [fs.kinds[idx[int(r) // t]] for r in rows]
+        convs += [idx[int(r) // t] for r in rows]
     accepted = torch.cat(acc_all) if acc_all else torch.zeros(0, dtype=torch.int64)
     out = {"all": _summary(accepted, k)}
-    for kind in sorted(set(kinds)):
-        mask = torch.tensor([x == kind for x in kinds])
-        out[kind] = _summary(accepted[mask], k)
+    for labels in (fs.kinds, groups or []):
+        for label in sorted(set(labels)):
+            mask = torch.tensor([labels[c] == label for c in convs], dtype=torch.bool)
+            out[label] = _summary(accepted[mask], k)
     return out

@@ -11,7 +11,8 @@ stage took when it last ran. Stages and files:
 4. vocab        ``vocab.json``              (draft ids: most frequent response ids; coverage)
 5. train        ``checkpoint.pt`` -> ``trained.pt``
 6. export       ``out`` (``save_eagle3``, float16) + ``RECIPE.md``
-7. evaluate     ``eval.json`` (held-out acceptance of the exported head, as loaded back)
+7. evaluate     ``eval.json`` (held-out acceptance of the exported head, as loaded back), and
+                ``eval_engine.json``: the same on the engine's own tap states (``engine_states``)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from tokenbudget.engine.loader import load_model_files
 from tokenbudget.engine.model.eagle3 import default_aux_layer_ids, load_eagle3, save_eagle3
 from tokenbudget.training.data import Conversation, PromptSet, make_prompts, make_responses
+from tokenbudget.training.engine_states import engine_states
 from tokenbudget.training.evaluate import acceptance
 from tokenbudget.training.features import FeatureSet, extract
 from tokenbudget.training.target_forward import TapForward
@@ -37,9 +39,9 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str | None = None
     work_dir: str = "train-draft-work"
     out: str | None = None            # export directory; None = work_dir/head
-    train_prompts: int = 1200
-    heldout_prompts: int = 120
-    self_written: float = 0.5
+    train_prompts: int = 1600
+    heldout_prompts: int = 100
+    self_written: float = 0.35
     max_tokens: int = 192
     max_len: int = 512
     draft_vocab: int = 4096
@@ -76,8 +78,27 @@ class Pipeline:
         os.makedirs(os.path.join(self.dir, "features"), exist_ok=True)
         self._llm = self._loaded = None
         self.times = self._read("times.json", dict) or {}
+        self._check_work_dir()
 
     # -- plumbing ---------------------------------------------------------------------------
+    _DATA_FIELDS = ("model", "train_prompts", "heldout_prompts", "self_written", "max_tokens", "max_len",
+                    "draft_vocab", "shard_size", "seed")
+
+    def _check_work_dir(self) -> None:
+        """A work dir holds one run: its cached stages are reused only for the same settings
+        (data settings always; model and training settings once training has started)."""
+        cfg = msgspec.to_builtins(self.cfg)
+        old = self._read("config.json", dict)
+        if old is not None:
+            fields = list(self._DATA_FIELDS)
+            if os.path.exists(self.path("checkpoint.pt")):
+                fields += ["intermediate_size", "train"]
+            bad = [f for f in fields if f in old and old[f] != cfg[f]]
+            if bad:
+                raise ValueError(f"{bad[0]}: {self.dir!r} holds a run made with {bad[0]}={old[bad[0]]!r}, not "
+                                 f"{cfg[bad[0]]!r}; use another work dir (or the same settings to resume)")
+        _write_json(self.path("config.json"), cfg)
+
     def path(self, name: str) -> str:
         return os.path.join(self.dir, name)
 
@@ -186,8 +207,18 @@ class Pipeline:
     def evaluate(self, head_dir: str) -> dict:
         loaded = self.loaded()
         head = load_eagle3(head_dir, num_target_layers=loaded.config.num_hidden_layers)
-        res = self._timed("evaluate", lambda: acceptance(head, self.embed(), self.features("heldout"), self.cfg.eval_k))
+        # greedy responses of a small model often loop until max_tokens: report those apart
+        ended = ["(response hit max_tokens)" if len(c.response_ids) >= self.cfg.max_tokens else "(response ended)"
+                 for c in self.responses()["heldout"]]
+        res = self._timed("evaluate", lambda: acceptance(head, self.embed(), self.features("heldout"),
+                                                         self.cfg.eval_k, groups=ended))
         _write_json(self.path("eval.json"), res)
+
+        def on_engine():  # the same chains on the states the engine serves the head (engine_states)
+            fs, quant = engine_states(self.cfg.model, self.features("heldout"))
+            return {"quantization": quant,
+                    **acceptance(head, self.embed(), fs, self.cfg.eval_k, groups=ended)}
+        _write_json(self.path("eval_engine.json"), self._timed("evaluate_engine_states", on_engine))
         return res
 
     def run(self) -> dict:
@@ -234,6 +265,14 @@ class Pipeline:
             if s.get("chains"):
                 lines.append(f"| {kind} | {s['chains']} | {s['tau']:.2f} | "
                              + " | ".join(f"{a:.2f}" if a is not None else "-" for a in s["accept_at_position"]) + " |")
+        eng = self._read("eval_engine.json", dict)
+        if eng and eng["all"].get("chains"):
+            a = eng["all"]
+            lines += ["", f"The table reads the tap states of a float32 torch forward (what training reads). On "
+                      f"the engine's own states (quantization {eng['quantization']}, the forward that serves "
+                      f"the head): tau {a['tau']:.2f}, accept@j "
+                      + " / ".join(f"{x:.2f}" for x in a["accept_at_position"] if x is not None)
+                      + (f"; chat tau {eng['chat']['tau']:.2f}" if eng.get("chat", {}).get("chains") else "") + "."]
         with open(os.path.join(self.out, "RECIPE.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
 

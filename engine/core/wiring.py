@@ -92,6 +92,8 @@ def wire_engine(config: EngineConfig, target: TargetModel, spec_config: Speculat
     structured = StructuredOutputs(target.tokenizer, mcfg.vocab_size, config.max_grammar_mask_ms)
     runner = ModelRunner(model, mcfg, kv_caches, config.block_size, Sampler(), device,
                          deterministic=config.deterministic)
+    if spec_config is not None:  # decodes and verifies of a request on one attention tile
+        runner.attn_backend.align_tiles(1 + spec_config.max_spec_tokens)
     if config.cuda_graphs:
         _wrap_in_cuda_graphs(runner, kv_caches, spec_config, max_model_len, config)
     speculator = _build_speculator(spec_config, target, scheduler, runner) if spec_config else Speculator()

@@ -2,7 +2,8 @@
 
 EAGLE-3 heads read, at every position, the target's hidden states at three layers of the forward
 that already runs (prefill chunks, decodes, verifies). ``set_aux_layers(ids)`` on a model object
-(``LlamaForCausalLM``, ``CpuForwardModel``; the CUDA graph wrapper refuses) makes each forward
+(``LlamaForCausalLM``; ``CpuForwardModel``, whose C forward copies the rows out; the CUDA graph
+wrapper, whose graphs keep them; ``ModelRunner`` passes it to its model) makes each forward
 also leave ``aux_hidden_states``: ``[T, len(ids) * hidden]`` float32 on the model's device, for
 the T real (unpadded) rows of the forward in its input order, tap ``ids[j]`` in columns
 ``[j * hidden, (j + 1) * hidden)``.
@@ -13,6 +14,9 @@ target keeps (``hidden_states + residual`` before layer ``i``), so published hea
 states they were trained on. ``i`` ranges over ``[0, num_layers)``: HF's entry ``num_layers`` is
 after the final norm, which no head reads.
 
+The forward runs under ``torch.inference_mode``, so the states are inference tensors: training
+code that feeds them to a module with gradients clones them first (outside inference mode).
+
 The states are recomputed by every forward (nothing carries over between steps, so a rolled-back
 or retried step recomputes them) and set to None when a forward starts, so a forward that raises
 leaves none behind.
@@ -20,6 +24,7 @@ leaves none behind.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 
 
@@ -34,9 +39,18 @@ def check_aux_layers(ids: Iterable[int] | None, num_layers: int) -> tuple[int, .
         raise ValueError(f"aux_layers: expected a sequence of layer indices or None, got {ids!r}") from None
     if not taps:
         return None
+    out = []
     for i in taps:
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers:
+        try:
+            if isinstance(i, bool):
+                raise TypeError
+            j = operator.index(i)  # ints, numpy ints, 0-d integer tensors
+        except TypeError:
+            j = None
+        if j is None or not 0 <= j < num_layers:
             raise ValueError(f"aux_layers: {i!r} is not a decoder layer index in [0, {num_layers})")
+        out.append(j)
+    taps = tuple(out)
     if len(set(taps)) != len(taps):
         raise ValueError(f"aux_layers: repeated layer index in {taps}")
     return taps

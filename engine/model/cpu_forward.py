@@ -97,13 +97,14 @@ class CpuForwardModel:
 class CpuForward:
     """Holds the per-layer ``TbLayer`` array (the model's tensors stay owned by the model)."""
 
-    __slots__ = ("_linears", "_norms", "_table", "_table_key", "model")
+    __slots__ = ("_aux_key", "_aux_tensor", "_linears", "_norms", "_table", "_table_key", "model")
 
     def __init__(self, model):
         self.model = model
         self._norms = [(lw.input_norm.contiguous(), lw.post_norm.contiguous()) for lw in model.layers]
         self._linears = [(_linear(lw.qkv), _linear(lw.o), _linear(lw.gate_up), _linear(lw.down)) for lw in model.layers]
         self._table, self._table_key = None, None
+        self._aux_tensor, self._aux_key = None, None
 
     @classmethod
     def build(cls, model) -> CpuForward | None:
@@ -132,6 +133,12 @@ class CpuForward:
                                                  for (n0, n1), kv, lins in zip(self._norms, key, self._linears)])
             self._table_key = key
         return self._table
+
+    def _aux_ids(self, aux_layers: tuple[int, ...]) -> torch.Tensor:
+        """The tap ids as the int64 array the C side reads (rebuilt only when they change)."""
+        if self._aux_key != aux_layers:
+            self._aux_tensor, self._aux_key = torch.tensor(aux_layers, dtype=torch.int64), aux_layers
+        return self._aux_tensor
 
     def _check_bounds(self, pos: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, kv: torch.Tensor) -> None:
         """The C code indexes raw memory: an out-of-range position, slot or block must raise here
@@ -173,7 +180,7 @@ class CpuForward:
         num_aux = len(aux_layers) if aux_layers else 0
         hsz = m.config.hidden_size
         aux = torch.empty(t, num_aux * hsz) if num_aux else None
-        aux_ids = torch.tensor(aux_layers, dtype=torch.int64) if num_aux else None
+        aux_ids = self._aux_ids(aux_layers) if num_aux else None
         tb_forward(TbForward(
             num_tokens=t, hidden=hsz, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
             head_dim=m.head_dim, intermediate=m.config.intermediate_size, num_layers=len(layers),

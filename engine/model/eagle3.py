@@ -3,8 +3,10 @@
 Layout and forward are the ones vLLM and SGLang load (``llama_eagle3.py``), so a published head
 runs unchanged and a head trained here is a published-layout checkpoint:
 
-- ``fc [H, 3 * H_target]`` fuses the target's hidden states (outputs of three decoder layers,
-  before the final norm) at one position: ``h = fc(cat(low, mid, high))``.
+- ``fc [H, 3 * H_target]`` fuses the target's hidden states at one position, the residual
+  stream at the INPUT of three decoder layers (= HF ``output_hidden_states[i]``; vLLM's and
+  SpecForge's taps, by default i = 2, L // 2, L - 3; ``engine/model/aux_states.py``):
+  ``h = fc(cat(low, mid, high))``.
 - one decoder layer (``midlayer``) whose q/k/v projections read ``2 * H`` inputs, the
   concatenation ``[input_layernorm(embed(token)), hidden_norm(h)]``; residual ``h`` (or
   ``hidden_norm(h)`` with ``norm_before_residual``); then post-attention norm, SwiGLU MLP, residual.

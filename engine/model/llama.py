@@ -3,6 +3,8 @@
 Plain PyTorch over a FLAT token batch: ``forward(input_ids[T], positions[T], attn_metadata,
 kv_caches) -> hidden[T, H]`` (after the final norm), ``compute_logits(hidden[S, H]) -> [S, V]``
 fp32, only at the rows that are sampled. q/k/v are fused into one weight, gate/up into one.
+With ``set_aux_layers(ids)`` each forward also keeps ``aux_hidden_states`` (EAGLE-3's taps of the
+residual stream at the input of those layers, ``engine/model/aux_states.py``).
 
 Batch invariance (measured on this CPU: AMD EPYC, AVX-512, torch 2.13 + MKL 2024.2, 1-2 threads)
 ------------------------------------------------------------------------------------------------

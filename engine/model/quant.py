@@ -3,7 +3,10 @@
 ``quantize_model(model, mode)`` replaces every ``layers.Linear`` of a built ``LlamaForCausalLM``
 (q/k/v, o, gate/up, down, lm_head) by a :class:`QuantLinear` holding only the packed weight and
 its scales: the fp32 weight and its oneDNN-packed copy are dropped, so no second copy of the
-weights is kept. The token embedding stays a float table (it is a row lookup, not a GEMM).
+weights is kept. The token embedding is a row lookup, not a GEMM: it becomes a
+:class:`Q8Embedding` (int8 codes and an fp16 scale per 32 columns, a quarter of the float table)
+when that form holds its values exactly — as it does for a GGUF whose table is Q8_0, the default
+model's — and stays the float table otherwise.
 
 The lm_head is int8 in both modes (:data:`LM_HEAD_MODE`), as GGUF Q4 files keep it (the default
 model's tied embedding is Q8_0): an int4 head costs far more perplexity than the int8 head costs
@@ -151,6 +154,64 @@ class QuantLinear:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales))
 
 
+class Q8Embedding:
+    """Token embedding rows kept as GGUF Q8_0 (``codes`` int8 ``[V, H]``, ``scales`` fp16
+    ``[V, H / 32]``, row value = code * scale) and dequantized per lookup: ``embed[ids]`` returns
+    exactly the float rows it was built from (:meth:`exact_from` refuses any table it cannot
+    hold bit for bit), so the model computes what it computed with the float table. The default
+    model's 49152 x 576 table: 113 MB as fp32, 30 MB here."""
+
+    __slots__ = ("codes", "scales")
+    GROUP = 32
+    ROWS_PER_CHUNK = 4096  # the exactness check's transient memory stays a few MB
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
+        self.codes, self.scales = codes, scales
+
+    @classmethod
+    def exact_from(cls, table: torch.Tensor) -> Q8Embedding | None:
+        """The Q8_0 form of a float32 CPU ``table`` if it holds every value exactly, else None.
+        A table dequantized from Q8_0 round-trips: each block's largest code is +-127, so
+        ``max|w| / 127`` gives back its fp16 scale and ``w / scale`` its codes."""
+        g = cls.GROUP
+        if table.dtype != torch.float32 or table.device.type != "cpu" or table.dim() != 2 or table.shape[1] % g:
+            return None
+        v, h = table.shape
+        codes = torch.empty(v, h, dtype=torch.int8)
+        scales = torch.empty(v, h // g, dtype=torch.float16)
+        for r0 in range(0, v, cls.ROWS_PER_CHUNK):
+            blocks = table[r0:r0 + cls.ROWS_PER_CHUNK].view(-1, h // g, g)
+            d = (blocks.abs().amax(-1) / 127).to(torch.float16)
+            df = d.float().unsqueeze(-1)
+            q = torch.where(df > 0, torch.round(blocks / df.clamp_min(torch.finfo(torch.float32).tiny)), 0.0)
+            if q.abs().max() > 127 or not torch.equal(q * df, blocks):
+                return None
+            codes[r0:r0 + blocks.shape[0]] = q.view(-1, h).to(torch.int8)
+            scales[r0:r0 + blocks.shape[0]] = d
+        return cls(codes, scales)
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        codes = self.codes[ids]
+        n, h = codes.shape[:-1], codes.shape[-1]
+        rows = codes.float().view(*n, h // self.GROUP, self.GROUP) * self.scales[ids].float().unsqueeze(-1)
+        return rows.view(*n, h)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32  # what a lookup returns
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() * 2
+
+
 def quantize_model(model, mode: str):
     """Swap every ``Linear`` of ``model`` (a built ``LlamaForCausalLM`` on the CPU, fp32) for a
     ``QuantLinear`` in place and return it, wrapped in the C decoder forward where that runs
@@ -168,7 +229,8 @@ def quantize_model(model, mode: str):
 
     for lw in model.layers:
         lw.qkv, lw.o, lw.gate_up, lw.down = q(lw.qkv), q(lw.o), q(lw.gate_up), q(lw.down)
-    model.lm_head = q(model.lm_head, LM_HEAD_MODE)
+    model.lm_head = q(model.lm_head, LM_HEAD_MODE)  # (a tied head reads the float table first)
+    model.embed = Q8Embedding.exact_from(model.embed) or model.embed
     model.quantization = mode
     model.row_multiple = QuantLinear.row_multiple
     return CpuForwardModel.around(model)

@@ -5,8 +5,9 @@ kv_caches)`` signature and is itself a drop-in model (same call, ``compute_logit
 through), so ``ModelRunner(model=CUDAGraphRunner(...), ...)`` needs no other change.
 
 Buckets: every ``(B, L)`` with ``B`` in ``batch_sizes`` and ``L = 1 + k`` for ``k`` in
-``draft_lens`` up to ``UNIFORM_MAX_Q_LEN`` (a longer verify runs eagerly); in deterministic mode
-every ``L`` is the backend's one planned length (``planned_q_len``), as in its eager groups. All
+``draft_lens`` up to ``UNIFORM_MAX_Q_LEN`` (a longer verify runs eagerly). A bucket's model runs
+``B * L`` rows; its attention plans the backend's padded length (``planned_q_len``, the tile
+floor), as the eager groups do, so replay and eager run the same tile. All
 graphs are captured at start-up (:meth:`capture`), largest first, sharing one memory pool. A step
 of ``b`` requests with ``1 <= q_len <= L`` rows each runs in the graph of the smallest captured
 ``L >= max q_len`` and the smallest ``B >= b``: draft counts that vary from request to request
@@ -20,7 +21,8 @@ rows and dummy requests), plans ONCE (refilling the buffers in place; the eager 
 planned: their planning is lazy) and refreshes the fixed ``slot_mapping`` (-1 on padding rows:
 no K/V write) and ``row_pad`` buffers; the static ``input_ids`` and ``positions`` get the real
 tokens at their bucket rows (zeros elsewhere). The output is the real rows of the static hidden
-state, gathered in the step's order.
+state, gathered in the step's order; with EAGLE-3 taps set (``set_aux_layers``) the graphs also
+keep the taps, gathered the same way into ``aux_hidden_states``.
 
 The graph API is a small driver (:class:`CudaGraphDriver`: warm up, capture into the shared
 pool, replay). Tests pass a driver that replays by re-running the captured function over the
@@ -73,7 +75,7 @@ class _Captured:
     attn: object               # GraphAttentionState
     input_ids: torch.Tensor    # [T] int64, static
     positions: torch.Tensor    # [T] int64, static
-    hidden: torch.Tensor       # [T, hidden] output of the captured forward
+    hidden: torch.Tensor       # [T, hidden] output of the captured forward (+ the taps' columns, fp32)
 
 
 class CUDAGraphRunner:
@@ -97,36 +99,43 @@ class CUDAGraphRunner:
         self.backend = backend
         self.driver = driver
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
-        # a verify longer than a uniform group (k >= 16) runs eagerly instead of failing start-up;
-        # deterministic mode plans every uniform group with one L, so its buckets collapse to it
-        planned = getattr(backend, "planned_q_len", lambda q_len: q_len)
-        self.q_lens = tuple(sorted({planned(1 + k) for k in draft_lens if 1 + k <= UNIFORM_MAX_Q_LEN}))
+        # a verify longer than a uniform group (k >= 16) runs eagerly instead of failing start-up
+        self.q_lens = tuple(sorted({1 + k for k in draft_lens if 1 + k <= UNIFORM_MAX_Q_LEN}))
         self.max_pages_per_req = max_pages_per_req
         self.num_warmup = num_warmup
         self.graphs: dict[tuple[int, int], _Captured] = {}
+        self.aux_hidden_states: torch.Tensor | None = None  # the last call's taps (set_aux_layers)
 
     # ---- drop-in model interface -----------------------------------------------------------
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
 
     @property
-    def aux_layers(self) -> None:
-        return None  # set_aux_layers refuses: no graph keeps the taps
+    def aux_layers(self) -> tuple[int, ...] | None:
+        return getattr(self.model, "aux_layers", None)
 
     def set_aux_layers(self, ids) -> None:
-        """EAGLE-3 taps (``engine/model/aux_states.py``) are not kept by captured graphs:
-        ValueError naming ``cuda_graphs`` for any taps; None is a no-op."""
-        if ids is not None and tuple(ids):
-            raise ValueError("cuda_graphs: the CUDA graph runner does not keep aux hidden states "
-                             "(EAGLE-3 taps); run the target without cuda_graphs")
+        """EAGLE-3 taps (``engine/model/aux_states.py``) in graphs too: a captured forward with
+        taps also writes them into its static output (``[T, hidden + len(ids) * hidden]``, the
+        hidden state in fp32 beside them), so changing the taps recaptures every graph captured
+        so far (start-up work, done once when the drafter is built)."""
+        before = self.aux_layers
+        self.model.set_aux_layers(ids)
+        self.aux_hidden_states = None
+        if self.aux_layers != before and self.graphs:
+            self.graphs = {}  # the old graphs go back to the pool before the new ones are captured
+            self.capture()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         if kv_caches is not self.kv_caches:
             raise ValueError("CUDAGraphRunner was captured over other kv_caches")
+        self.aux_hidden_states = None
         cap = self._bucket_for(attn_metadata.qo_indptr)
         if cap is None:
-            return self.model(input_ids, positions, attn_metadata, kv_caches)
+            hidden = self.model(input_ids, positions, attn_metadata, kv_caches)
+            self.aux_hidden_states = getattr(self.model, "aux_hidden_states", None) if self.aux_layers else None
+            return hidden
         return self._replay(cap, input_ids, positions, attn_metadata)
 
     # ---- capture --------------------------------------------------------------------------
@@ -148,9 +157,14 @@ class CUDAGraphRunner:
         md = attn.prepare(list(range(0, n + 1, q_len)), [q_len] * bsz,
                           [[0] * -(-q_len // bs)] * bsz,
                           torch.full((n,), -1, dtype=torch.long, device=dev))
-        replay, hidden = self.driver.capture(lambda: self.model(ids, pos, md, self.kv_caches),
-                                             self.num_warmup)
-        return _Captured(replay, attn, ids, pos, hidden)
+        model, taps = self.model, self.aux_layers
+
+        def forward():
+            hidden = model(ids, pos, md, self.kv_caches)
+            return torch.cat([hidden.float(), model.aux_hidden_states], dim=1) if taps else hidden
+
+        replay, out = self.driver.capture(forward, self.num_warmup)
+        return _Captured(replay, attn, ids, pos, out)
 
     # ---- replay ---------------------------------------------------------------------------
     def _bucket_for(self, qo_indptr: list[int]) -> _Captured | None:
@@ -174,7 +188,12 @@ class CUDAGraphRunner:
         cap.positions.zero_()
         cap.positions.index_copy_(0, dest, positions[:n])
         cap.replay()
-        return cap.hidden.index_select(0, dest)
+        out = cap.hidden.index_select(0, dest)
+        if not self.aux_layers:
+            return out
+        h = self.model.config.hidden_size  # the taps' columns follow the hidden state (_capture_one)
+        self.aux_hidden_states = out[:, h:].contiguous()
+        return out[:, :h].to(self.model.dtype).contiguous()
 
 
 __all__ = ["CUDAGraphRunner", "CudaGraphDriver"]

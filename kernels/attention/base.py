@@ -93,6 +93,12 @@ class AttentionBackend(ABC):
         """Store ``k``, ``v`` (``[>= num_tokens, num_kv_heads, head_dim]``; rows past
         ``num_tokens`` are padding and are ignored) into ``kv_cache`` in place."""
 
+    def align_tiles(self, max_q_len: int) -> None:
+        """The engine's longest decode/verify is ``max_q_len`` rows per request. A backend whose
+        arithmetic for a row depends on how many rows its request has (FlashInfer's tile) plans
+        so that it does not, up to this length; the others need nothing."""
+        return None
+
     @abstractmethod
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor,
                metadata: AttentionMetadata) -> torch.Tensor:

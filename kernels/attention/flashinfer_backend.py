@@ -16,12 +16,18 @@ split into GROUPS by query length, each planned on its own wrapper:
   decode and a verify of the same position can differ (a GQA-4 decode packs 4 rows, tile 16; a
   5-row verify 20, tile 64), and a CUDA-graph replay of a uniform bucket is planned exactly like
   eager while a padded one (fewer drafts than the bucket's k) runs the bucket's tile;
-* deterministic mode (``deterministic=True``) plans EVERY uniform request with
-  ``L = DETERMINISTIC_Q_LEN`` (16) in one group, padding rows after its real ones (the planned
-  context grows by the padding, which keeps every real row's bottom-right causal limit; pages
-  past the table point at block 0 and are read by padding rows only): one tile for decodes,
-  verifies of any k and graph buckets (which plan with the same L), so decode = verify =
-  replay bitwise. Cost: a decode computes 16 rows per request (owed: a GPU measurement);
+* a uniform request of fewer rows than the *tile floor* is planned with the floor, padding rows
+  after its real ones (the planned context grows by the padding, which keeps every real row's
+  bottom-right causal limit; pages past the table point at block 0 and are read by padding rows
+  only). The floor is the smallest L whose tile equals the tile of the longest verify the engine
+  runs (``align_tiles(1 + max_spec_tokens)``, called by the wiring): then a decode and every
+  verify of a request run the same CTA tile, and with the same tile a row's bits do not depend
+  on L (measured on an H200: benches/RESULTS.md, "First GPU run"). Without it a GQA-4 decode
+  (4 packed rows, tile 16) and a 5-row verify (20, tile 64) differ in the last bits, and greedy
+  speculation drifts from plain decoding at k >= 4. Deterministic mode aligns to the longest
+  uniform group (``DETERMINISTIC_Q_LEN`` = 16) whatever the engine's k. Cost: a decode attends
+  with the floor's rows (a GQA-4 layout with k >= 4: 5 rows instead of 1; attention only, the
+  GEMMs see the real rows);
 * the rest (prefill chunks) go through one ``BatchPrefillWithPagedKVCacheWrapper``
   (``causal=True``, bottom-right aligned), split-KV as FlashInfer chooses unless
   ``deterministic=True``.
@@ -126,10 +132,24 @@ class FlashInferData:
 
 
 UNIFORM_MAX_Q_LEN = 16  # q_len up to this runs through tensor-core decode (q_len_per_req)
-# Deterministic mode plans every uniform request with this L (padding rows after the real ones):
-# the kernel's CTA tile comes from the packed rows L * G (16 | 64 | 128), so a decode and a
-# (1 + k)-row verify of a GQA-4 layout would otherwise run different tiles from k = 4 on.
+# Deterministic mode aligns every uniform request's tile to this L's (whatever the engine's k).
 DETERMINISTIC_Q_LEN = UNIFORM_MAX_Q_LEN
+
+
+def cta_tile_rows(packed_rows: int, head_dim: int) -> int:
+    """FlashInfer's CTA tile (``FA2DetermineCtaTileQ``, sm_80+) for a uniform group of
+    ``q_len * G`` packed query rows: 16 rows up to 16, 64 up to 64, else 128 (64 from head_dim 256)."""
+    if packed_rows > 64 and head_dim < 256:
+        return 128
+    return 64 if packed_rows > 16 else 16
+
+
+def tile_floor(max_q_len: int, group_size: int, head_dim: int) -> int:
+    """The smallest L whose tile is the tile of ``max_q_len`` rows (G = ``group_size`` query heads
+    per kv head): planning every uniform request with at least this many rows puts decodes and
+    verifies up to ``max_q_len`` rows on one tile."""
+    target = cta_tile_rows(max_q_len * group_size, head_dim)
+    return next(q for q in range(1, max_q_len + 1) if cta_tile_rows(q * group_size, head_dim) == target)
 
 
 def eager_workspace_bytes(spec: AttentionSpec, num_sms: int) -> int:
@@ -159,6 +179,8 @@ class FlashInferBackend(AttentionBackend):
         self._fi = flashinfer
         self.fa_backend = fa_backend
         self.deterministic = deterministic
+        self.q_len_floor = 1
+        self.align_tiles(DETERMINISTIC_Q_LEN if deterministic else 1)
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         if workspace_bytes is None:  # 128 MiB (FlashInfer's advice) or what the shape needs
@@ -211,10 +233,20 @@ class FlashInferBackend(AttentionBackend):
         return AttentionMetadata(list(qo_indptr), list(kv_lens), block_tables, slots,
                                  num_tokens, data, self)
 
+    def align_tiles(self, max_q_len: int) -> None:
+        """Plan every uniform request with at least the tile floor of ``max_q_len`` rows (the
+        engine's longest verify, ``1 + max_spec_tokens``), so decodes and verifies share a tile
+        (module docstring). Deterministic mode keeps the floor of ``DETERMINISTIC_Q_LEN``."""
+        if self.deterministic:
+            max_q_len = DETERMINISTIC_Q_LEN
+        if not 1 <= max_q_len:
+            raise ValueError(f"max_q_len={max_q_len}: expected >= 1")
+        group = self.spec.num_heads // self.spec.num_kv_heads
+        self.q_len_floor = tile_floor(min(max_q_len, UNIFORM_MAX_Q_LEN), group, self.spec.head_dim)
+
     def planned_q_len(self, q_len: int) -> int:
-        """The L a uniform request of ``q_len`` rows is planned with: its own, or in deterministic
-        mode ``DETERMINISTIC_Q_LEN`` for every one (see the module docstring)."""
-        return DETERMINISTIC_Q_LEN if self.deterministic else q_len
+        """The L a uniform request of ``q_len`` rows is planned with: at least the tile floor."""
+        return max(q_len, self.q_len_floor)
 
     def _group(self, q_len: int, reqs: list[int], qo_indptr: list[int], kv_lens: list[int],
                block_tables: list[list[int]], whole: bool) -> _Group:
@@ -264,14 +296,20 @@ class FlashInferBackend(AttentionBackend):
         if q.shape[0] > n:  # the model's row padding (pad_rows): zeros, no per-layer zero tensor
             out[n:].zero_()
         for g in d.groups:
-            if g.dest is not None:  # deterministic mode: rows padded to the group's planned L
-                qp = q.new_zeros(g.page_table.kv_last_page_len.shape[0] * g.q_len, *q.shape[1:])
-                qp.index_copy_(0, g.dest, q.index_select(0, g.rows))
-                out.index_copy_(0, g.rows, g.wrapper.run(qp, kv_cache).index_select(0, g.dest))
-            elif g.rows is None:
+            if g.dest is None and g.rows is None:
                 g.wrapper.run(q[:n].contiguous(), kv_cache, out=out[:n])
+                continue
+            src = q[:n] if g.rows is None else q.index_select(0, g.rows)
+            if g.dest is not None:  # rows padded to the group's planned L (the tile floor)
+                qp = q.new_zeros(g.page_table.kv_last_page_len.shape[0] * g.q_len, *q.shape[1:])
+                qp.index_copy_(0, g.dest, src)
+                res = g.wrapper.run(qp, kv_cache).index_select(0, g.dest)
             else:
-                out.index_copy_(0, g.rows, g.wrapper.run(q.index_select(0, g.rows), kv_cache))
+                res = g.wrapper.run(src, kv_cache)
+            if g.rows is None:
+                out[:n].copy_(res)
+            else:
+                out.index_copy_(0, g.rows, res)
         if d.row_pad is not None:  # graph mode: rows of padding requests/drafts hold garbage
             out[:n].masked_fill_(d.row_pad[:, None, None], 0)
         return out
@@ -304,10 +342,12 @@ def zero_int_workspaces(wrapper: Any) -> None:
 
 class GraphAttentionState:
     """A tensor-core decode wrapper in ``use_cuda_graph=True`` mode over fixed device buffers,
-    planned like the eager uniform groups (``q_len_per_req=L``, no KV split; deterministic mode:
-    the backend's one ``L``). A step whose requests all have ``L`` rows is planned exactly like
-    eager; one with fewer rows somewhere runs ``L``'s tile, which the eager plan of its own
-    ``q_len`` may not (default mode only).
+    planned like the eager uniform groups (``q_len_per_req`` = the backend's planned length of
+    ``L``, no KV split): every step in the bucket runs the tile of the eager plan of the same
+    requests, padded or not, since both are at least the tile floor (with tiles aligned to the
+    bucket's longest verify). The model's rows stay ``B * L``: only attention sees the planned
+    length's padding (a static row map, like the eager padded groups), so a decode bucket's GEMMs
+    run ``B`` rows, not ``B * 16``.
 
     Bucket: ``B = batch_size`` requests of ``L = q_len`` rows (``T = B * L``); request ``b``
     owns rows ``b*L .. b*L+L-1``. :meth:`prepare` takes a real batch of ``B' <= B`` requests
@@ -324,9 +364,12 @@ class GraphAttentionState:
             raise ValueError(f"bad graph bucket: batch_size={batch_size} q_len={q_len} "
                              f"max_pages={max_pages}")
         fi, dev = backend._fi, backend.device
-        q_len = backend.planned_q_len(q_len)  # deterministic mode: the eager groups' L
         self.backend, self.batch_size, self.q_len = backend, batch_size, q_len
+        self.plan_len = backend.planned_q_len(q_len)  # >= q_len: the tile floor
         self.num_tokens = batch_size * q_len
+        # bucket row b*L + j -> planned row b*P + j (None when P == L: no padding in attention)
+        self.attn_rows = None if self.plan_len == q_len else torch.tensor(
+            [b * self.plan_len + j for b in range(batch_size) for j in range(q_len)], device=dev)
         i32 = {"dtype": torch.int32, "device": dev}
         self.kv_indptr = torch.zeros(batch_size + 1, **i32)
         self.kv_indices = torch.zeros(max_pages + batch_size, **i32)
@@ -350,7 +393,7 @@ class GraphAttentionState:
 
     def prepare(self, qo_indptr: list[int], kv_lens: list[int], block_tables: list[list[int]],
                 slot_mapping: torch.Tensor) -> AttentionMetadata:
-        be, L = self.backend, self.q_len
+        be, L, P = self.backend, self.q_len, self.plan_len
         bs = be.spec.block_size
         check_metadata_inputs(qo_indptr, kv_lens, block_tables, bs)
         if not self.fits(qo_indptr):
@@ -359,14 +402,14 @@ class GraphAttentionState:
         kv, tables, dest = [], [], []
         for b in range(real):
             q_len = qo_indptr[b + 1] - qo_indptr[b]
-            kv.append(kv_lens[b] + L - q_len)
+            kv.append(kv_lens[b] + P - q_len)  # padding to P rows: same causal limits
             need = -(-kv[-1] // bs)
             tables.append(list(block_tables[b][:need]) + [0] * (need - len(block_tables[b])))
             dest.extend(range(b * L, b * L + q_len))
         pad = self.batch_size - real
-        pt = build_page_table(list(range(0, self.num_tokens + 1, L)), kv + [L] * pad,
-                              tables + [[0] * -(-L // bs)] * pad, bs)
-        be.plan(self.wrapper, L, pt)
+        pt = build_page_table(list(range(0, self.batch_size * P + 1, P)), kv + [P] * pad,
+                              tables + [[0] * -(-P // bs)] * pad, bs)
+        be.plan(self.wrapper, P, pt)
         self.generation += 1
         dest_t = torch.tensor(dest, dtype=torch.long).to(self.dest.device, non_blocking=True)
         self.dest = dest_t
@@ -375,9 +418,9 @@ class GraphAttentionState:
         self.row_pad.fill_(True)
         self.row_pad.index_fill_(0, dest_t, False)
         # One data object for every prepare: the metadata a graph captured stays current.
-        self._data.groups = [_Group(self.wrapper, L, pt, None)]
+        self._data.groups = [_Group(self.wrapper, P, pt, None, self.attn_rows)]
         self._data.generation = self.generation
-        return AttentionMetadata(list(range(0, self.num_tokens + 1, L)), kv + [L] * pad,
+        return AttentionMetadata(list(range(0, self.num_tokens + 1, L)), kv + [P] * pad,
                                  tables, self.slot_mapping, self.num_tokens, self._data, be)
 
 
@@ -389,7 +432,9 @@ __all__ = [
     "GraphAttentionState",
     "PageTable",
     "build_page_table",
+    "cta_tile_rows",
     "eager_workspace_bytes",
     "flashinfer_refusal",
+    "tile_floor",
     "zero_int_workspaces",
 ]

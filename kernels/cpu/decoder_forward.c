@@ -161,50 +161,65 @@ typedef struct {
     float eps, scale;
 } Dims;
 
-#define MAX_GROUP 8 /* query heads per kv head handled together in P @ V (more: several passes) */
+#define MAX_GROUP 8 /* (row, query head) pairs handled together in P @ V (more: several passes) */
+#define MAX_ROWS 8  /* consecutive rows of one request attended together (one pass over its keys) */
 #define MAX_D 256
 
-/* Attention of one query row, kv head g (its G = hq / hk query heads) over positions 0..ctx-1 of
- * its request's paged cache ([blocks][2][bs][hk][d]). Scores key by key, then per head max, exp
- * and a 16-lane sum (position p in lane p % 16), then P @ V in position order: every operation's
- * order is fixed by ctx alone. */
+/* Attention of nr consecutive query rows of one request (row i at context ctxs[i], increasing:
+ * a verify, a prefill chunk's slice, or one decode), kv head g (its G = hq / hk query heads) over
+ * the request's paged cache ([blocks][2][bs][hk][d]). The rows share one pass over the keys and
+ * one over the values (each K and V row is loaded once for all nr * G pairs: a 5-row verify
+ * streams the context once, not five times), but every (row, head) pair's arithmetic is what
+ * it would be alone: scores key by key; per pair max, exp and a 16-lane sum (position p in lane
+ * p % 16) over its own context; then P @ V in position order up to its own context. So each
+ * operation's order is fixed by the row's context alone, whatever nr is. scores holds
+ * nr * G * cmax floats (cmax = the largest context), pair (r, j) at (r * G + j) * cmax. */
 #if defined(TB_AVX512_VNNI)
 /* The same attention (same operations, same order) in AVX-512: scores for 16 keys at a time, their
- * lane sums by one transposed tree (sum16x16); exp in 16 lanes; P @ V loads each V row once for up
- * to MAX_GROUP query heads. */
-static void attend_row(const Dims *dm, const float *q, const float *kv, const int32_t *blocks, int64_t ctx,
-                       int64_t g, float *scores, float *out) {
+ * lane sums by one transposed tree (sum16x16); exp in 16 lanes; P @ V with up to MAX_GROUP
+ * accumulators in registers per V load. */
+static void attend_rows(const Dims *dm, const float *q, int64_t qstride, int64_t nr, const int32_t *ctxs,
+                        const float *kv, const int32_t *blocks, int64_t g, float *scores, float *out,
+                        int64_t ostride) {
     const int64_t d = dm->d, hk = dm->hk, gsz = dm->hq / hk, bs = dm->bs, nv = d / LANES;
+    int64_t cmax = 0;
+    for (int64_t r = 0; r < nr; r++) cmax = ctxs[r] > cmax ? ctxs[r] : cmax;
     const __m512 scale = _mm512_set1_ps(dm->scale);
-    for (int64_t j = 0; j < gsz; j++) {
-        const float *qj = q + (g * gsz + j) * d;
-        for (int64_t p0 = 0; p0 < ctx; p0 += LANES) {
-            const int64_t n = ctx - p0 < LANES ? ctx - p0 : LANES;
-            const float *keys[LANES]; /* the n keys' rows, walked block by block (no division per key) */
-            for (int64_t i = 0, b = p0 / bs, off = p0 % bs; i < n; i++) {
-                keys[i] = kv + ((int64_t)blocks[b] * 2 * bs + off) * hk * d + g * d;
-                if (++off == bs) off = 0, b++;
-            }
-            __m512 acc[LANES];
-            for (int64_t i = 0; i < LANES; i++) {
-                const int64_t key = (i % 4) * 4 + i / 4; /* the slot sum16x16 puts in lane key */
-                if (key < n) {
-                    const float *k = keys[key];
-                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qj), _mm512_loadu_ps(k));
-                    for (int64_t e = LANES; e < d; e += LANES)
-                        a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_loadu_ps(qj + e), _mm512_loadu_ps(k + e)));
-                    acc[i] = a;
-                } else {
-                    acc[i] = _mm512_setzero_ps();
+    for (int64_t p0 = 0; p0 < cmax; p0 += LANES) {
+        const int64_t n = cmax - p0 < LANES ? cmax - p0 : LANES;
+        const float *keys[LANES]; /* the n keys' rows, walked block by block (no division per key) */
+        for (int64_t i = 0, b = p0 / bs, off = p0 % bs; i < n; i++) {
+            keys[i] = kv + ((int64_t)blocks[b] * 2 * bs + off) * hk * d + g * d;
+            if (++off == bs) off = 0, b++;
+        }
+        for (int64_t r = 0; r < nr; r++) {
+            if (p0 >= ctxs[r]) continue;
+            const int64_t nk = ctxs[r] - p0 < LANES ? ctxs[r] - p0 : LANES; /* this row's keys here */
+            const __mmask16 mk = nk == LANES ? 0xFFFF : (__mmask16)((1u << nk) - 1);
+            for (int64_t j = 0; j < gsz; j++) {
+                const float *qj = q + r * qstride + (g * gsz + j) * d;
+                __m512 acc[LANES];
+                for (int64_t i = 0; i < LANES; i++) {
+                    const int64_t key = (i % 4) * 4 + i / 4; /* the slot sum16x16 puts in lane key */
+                    if (key < nk) {
+                        const float *k = keys[key];
+                        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qj), _mm512_loadu_ps(k));
+                        for (int64_t e = LANES; e < d; e += LANES)
+                            a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_loadu_ps(qj + e), _mm512_loadu_ps(k + e)));
+                        acc[i] = a;
+                    } else {
+                        acc[i] = _mm512_setzero_ps();
+                    }
                 }
+                _mm512_mask_storeu_ps(scores + (r * gsz + j) * cmax + p0, mk, _mm512_mul_ps(sum16x16(acc), scale));
             }
-            const __mmask16 mk = n == LANES ? 0xFFFF : (__mmask16)((1u << n) - 1);
-            _mm512_mask_storeu_ps(scores + j * ctx + p0, mk, _mm512_mul_ps(sum16x16(acc), scale));
         }
     }
-    float inv[gsz];
-    for (int64_t j = 0; j < gsz; j++) {
-        float *s = scores + j * ctx;
+    const int64_t npairs = nr * gsz;
+    float inv[npairs];
+    for (int64_t pr = 0; pr < npairs; pr++) {
+        const int64_t ctx = ctxs[pr / gsz];
+        float *s = scores + pr * cmax;
         __m512 mxv = _mm512_set1_ps(-INFINITY);
         for (int64_t p = 0; p < ctx; p += LANES) {
             const __mmask16 mk = ctx - p >= LANES ? 0xFFFF : (__mmask16)((1u << (ctx - p)) - 1);
@@ -219,45 +234,68 @@ static void attend_row(const Dims *dm, const float *q, const float *kv, const in
             _mm512_mask_storeu_ps(s + p, mk, e);
             sum = _mm512_mask_add_ps(sum, mk, sum, e);
         }
-        inv[j] = 1.0f / sum16v(sum);
+        inv[pr] = 1.0f / sum16v(sum);
     }
-    for (int64_t j0 = 0; j0 < gsz; j0 += MAX_GROUP) {
-        const int64_t nh = gsz - j0 < MAX_GROUP ? gsz - j0 : MAX_GROUP;
+    for (int64_t k0 = 0; k0 < npairs; k0 += MAX_GROUP) {
+        const int64_t np = npairs - k0 < MAX_GROUP ? npairs - k0 : MAX_GROUP;
+        int64_t pctx[MAX_GROUP], lo = INT64_MAX, hi = 0; /* the pass's contexts: all pairs run to lo */
+        for (int64_t k = 0; k < np; k++) {
+            pctx[k] = ctxs[(k0 + k) / gsz];
+            lo = pctx[k] < lo ? pctx[k] : lo;
+            hi = pctx[k] > hi ? pctx[k] : hi;
+        }
         /* one 16-column slice of the output at a time, its MAX_GROUP accumulators in registers
-         * (a fixed, unrolled head loop); each V row is still loaded once for all the heads */
+         * (a fixed, unrolled pair loop); each V row is loaded once for all the pass's pairs */
         for (int64_t i = 0; i < nv; i++) {
             __m512 acc[MAX_GROUP];
 #pragma GCC unroll 8
-            for (int64_t j = 0; j < MAX_GROUP; j++) acc[j] = _mm512_setzero_ps();
-            for (int64_t p = 0, b = 0, off = 0; p < ctx; p++) {
+            for (int64_t k = 0; k < MAX_GROUP; k++) acc[k] = _mm512_setzero_ps();
+            int64_t p = 0, b = 0, off = 0;
+            for (; p < lo; p++) {
                 const __m512 v = _mm512_loadu_ps(kv + (((int64_t)blocks[b] * 2 + 1) * bs + off) * hk * d + g * d + LANES * i);
                 if (++off == bs) off = 0, b++;
-                const float *sp = scores + j0 * ctx + p;
+                const float *sp = scores + k0 * cmax + p;
 #pragma GCC unroll 8
-                for (int64_t j = 0; j < MAX_GROUP; j++)
-                    if (j < nh) acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(_mm512_set1_ps(sp[j * ctx]), v));
+                for (int64_t k = 0; k < MAX_GROUP; k++)
+                    if (k < np) acc[k] = _mm512_add_ps(acc[k], _mm512_mul_ps(_mm512_set1_ps(sp[k * cmax]), v));
+            }
+            for (; p < hi; p++) { /* the last few positions: only the pairs whose context reaches them */
+                const __m512 v = _mm512_loadu_ps(kv + (((int64_t)blocks[b] * 2 + 1) * bs + off) * hk * d + g * d + LANES * i);
+                if (++off == bs) off = 0, b++;
+                const float *sp = scores + k0 * cmax + p;
+                for (int64_t k = 0; k < np; k++)
+                    if (p < pctx[k]) acc[k] = _mm512_add_ps(acc[k], _mm512_mul_ps(_mm512_set1_ps(sp[k * cmax]), v));
             }
 #pragma GCC unroll 8
-            for (int64_t j = 0; j < MAX_GROUP; j++)
-                if (j < nh)
-                    _mm512_storeu_ps(out + (g * gsz + j0 + j) * d + LANES * i,
-                                     _mm512_mul_ps(acc[j], _mm512_set1_ps(inv[j0 + j])));
+            for (int64_t k = 0; k < MAX_GROUP; k++)
+                if (k < np) {
+                    const int64_t pr = k0 + k, r = pr / gsz, j = pr % gsz;
+                    _mm512_storeu_ps(out + r * ostride + (g * gsz + j) * d + LANES * i,
+                                     _mm512_mul_ps(acc[k], _mm512_set1_ps(inv[pr])));
+                }
         }
     }
 }
 #else
-static void attend_row(const Dims *dm, const float *q, const float *kv, const int32_t *blocks, int64_t ctx,
-                       int64_t g, float *scores, float *out) {
+static void attend_rows(const Dims *dm, const float *q, int64_t qstride, int64_t nr, const int32_t *ctxs,
+                        const float *kv, const int32_t *blocks, int64_t g, float *scores, float *out,
+                        int64_t ostride) {
     const int64_t d = dm->d, hk = dm->hk, gsz = dm->hq / hk, bs = dm->bs;
-    for (int64_t j = 0; j < gsz; j++) {
-        const float *qj = q + (g * gsz + j) * d;
-        float *s = scores + j * ctx;
-        for (int64_t p = 0; p < ctx; p++)
-            s[p] = dot16(qj, kv + ((int64_t)blocks[p / bs] * 2 * bs + p % bs) * hk * d + g * d, d) * dm->scale;
+    int64_t cmax = 0;
+    for (int64_t r = 0; r < nr; r++) cmax = ctxs[r] > cmax ? ctxs[r] : cmax;
+    for (int64_t p = 0; p < cmax; p++) {
+        const float *k = kv + ((int64_t)blocks[p / bs] * 2 * bs + p % bs) * hk * d + g * d;
+        for (int64_t r = 0; r < nr; r++) {
+            if (p >= ctxs[r]) continue;
+            for (int64_t j = 0; j < gsz; j++)
+                scores[(r * gsz + j) * cmax + p] = dot16(q + r * qstride + (g * gsz + j) * d, k, d) * dm->scale;
+        }
     }
-    float inv[gsz];
-    for (int64_t j = 0; j < gsz; j++) {
-        float *s = scores + j * ctx;
+    const int64_t npairs = nr * gsz;
+    float inv[npairs];
+    for (int64_t pr = 0; pr < npairs; pr++) {
+        const int64_t ctx = ctxs[pr / gsz];
+        float *s = scores + pr * cmax;
         float mx = -INFINITY;
         for (int64_t p = 0; p < ctx; p++) mx = s[p] > mx ? s[p] : mx;
         float sum[LANES] = {0};
@@ -271,24 +309,30 @@ static void attend_row(const Dims *dm, const float *q, const float *kv, const in
             s[p + l] = exp_poly(s[p + l] - mx);
             sum[l] = sum[l] + s[p + l];
         }
-        inv[j] = 1.0f / sum16(sum);
+        inv[pr] = 1.0f / sum16(sum);
     }
-    /* P @ V: the V rows are loaded once per position for up to MAX_GROUP heads. */
-    for (int64_t j0 = 0; j0 < gsz; j0 += MAX_GROUP) {
-        const int64_t nh = gsz - j0 < MAX_GROUP ? gsz - j0 : MAX_GROUP;
+    /* P @ V: each V row is loaded once per position for up to MAX_GROUP (row, head) pairs. */
+    for (int64_t k0 = 0; k0 < npairs; k0 += MAX_GROUP) {
+        const int64_t np = npairs - k0 < MAX_GROUP ? npairs - k0 : MAX_GROUP;
         float acc[MAX_GROUP][MAX_D];
-        for (int64_t j = 0; j < nh; j++)
-            for (int64_t i = 0; i < d; i++) acc[j][i] = 0.0f;
-        for (int64_t p = 0; p < ctx; p++) {
+        int64_t pctx[MAX_GROUP], hi = 0;
+        for (int64_t k = 0; k < np; k++) {
+            pctx[k] = ctxs[(k0 + k) / gsz];
+            hi = pctx[k] > hi ? pctx[k] : hi;
+            for (int64_t i = 0; i < d; i++) acc[k][i] = 0.0f;
+        }
+        for (int64_t p = 0; p < hi; p++) {
             const float *v = kv + (((int64_t)blocks[p / bs] * 2 + 1) * bs + p % bs) * hk * d + g * d;
-            for (int64_t j = 0; j < nh; j++) {
-                const float sp = scores[(j0 + j) * ctx + p];
-                for (int64_t i = 0; i < d; i++) acc[j][i] = acc[j][i] + sp * v[i];
+            for (int64_t k = 0; k < np; k++) {
+                if (p >= pctx[k]) continue;
+                const float sp = scores[(k0 + k) * cmax + p];
+                for (int64_t i = 0; i < d; i++) acc[k][i] = acc[k][i] + sp * v[i];
             }
         }
-        for (int64_t j = 0; j < nh; j++) {
-            float *o = out + (g * gsz + j0 + j) * d;
-            for (int64_t i = 0; i < d; i++) o[i] = acc[j][i] * inv[j0 + j];
+        for (int64_t k = 0; k < np; k++) {
+            const int64_t pr = k0 + k, r = pr / gsz, j = pr % gsz;
+            float *o = out + r * ostride + (g * gsz + j) * d;
+            for (int64_t i = 0; i < d; i++) o[i] = acc[k][i] * inv[pr];
         }
     }
 }
@@ -343,12 +387,22 @@ int tb_forward(const TbForward *a) {
     const int64_t h = dm.h, d = dm.d, qsz = dm.hq * d, kvsz = dm.hk * d, qkvn = qsz + 2 * kvsz, inter = dm.inter;
     int64_t max_ctx = 1;
     for (int64_t r = 0; r < t; r++) max_ctx = row_ctx[r] > max_ctx ? row_ctx[r] : max_ctx;
+    /* attention groups: runs of up to MAX_ROWS consecutive rows of one request at consecutive
+     * positions (a verify, a slice of a prefill chunk), each attended in one pass over its keys */
+    int64_t *grp = malloc((t + 1) * sizeof(int64_t)), ngrp = 0;
+    for (int64_t r = 0; grp && r < t;) {
+        int64_t n = 1;
+        while (r + n < t && n < MAX_ROWS && row_req[r + n] == row_req[r] && row_ctx[r + n] == row_ctx[r] + n) n++;
+        grp[ngrp++] = r;
+        r += n;
+    }
+    if (grp) grp[ngrp] = t;
     float *hs = malloc(t * h * sizeof(float)), *qkv = malloc(t * qkvn * sizeof(float));
     float *att = malloc(t * qsz * sizeof(float)), *gu = malloc(t * 2 * inter * sizeof(float));
     float *act = malloc(t * inter * sizeof(float));
     XRows rows = {0}; /* the quantized activations of every linear: K is at most max(H, Hq * D, I) */
     const int64_t kmax = h > qsz ? (h > inter ? h : inter) : (qsz > inter ? qsz : inter);
-    int rc = hs && qkv && att && gu && act && tb_rows_alloc(&rows, t, kmax) ? 0 : -1;
+    int rc = grp && hs && qkv && att && gu && act && tb_rows_alloc(&rows, t, kmax) ? 0 : -1;
     const int par_rows = nthreads;
     for (int64_t l = 0; l < nl && rc == 0; l++) {
         const TbLayer *layer = a->layers + l;
@@ -370,13 +424,13 @@ int tb_forward(const TbForward *a) {
         }
 #pragma omp parallel num_threads(nthreads)
         {
-            float *scores = malloc((dm.hq / dm.hk) * max_ctx * sizeof(float));
+            float *scores = malloc(MAX_ROWS * (dm.hq / dm.hk) * max_ctx * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t i = 0; i < t * dm.hk; i++) {
-                const int64_t r = i / dm.hk, g = i % dm.hk;
+            for (int64_t i = 0; i < ngrp * dm.hk; i++) {
+                const int64_t r = grp[i / dm.hk], nr = grp[i / dm.hk + 1] - r, g = i % dm.hk;
                 if (scores)
-                    attend_row(&dm, qkv + r * qkvn, kv, block_tables + (int64_t)row_req[r] * dm.max_blocks, row_ctx[r], g,
-                               scores, att + r * qsz);
+                    attend_rows(&dm, qkv + r * qkvn, qkvn, nr, row_ctx + r, kv,
+                                block_tables + (int64_t)row_req[r] * dm.max_blocks, g, scores, att + r * qsz, qsz);
             }
             if (!scores) {
 #pragma omp atomic write
@@ -407,6 +461,7 @@ int tb_forward(const TbForward *a) {
         }
         rc |= tb_linear(ldn, act, t, inter, h, x, 1, nthreads, &rows);
     }
+    free(grp);
     free(hs);
     free(qkv);
     free(att);
