@@ -313,6 +313,7 @@ def _summarise(args, prompts, labels, timings, stats, profiles, mismatches) -> d
           + markdown_table(prof_headers, prof_rows)
           + "\n\nVerify cost: `runner.execute` time by tokens in the step (1 + drafts at batch 1):\n\n"
           + markdown_table(cost_headers, cost_rows)
+          + _k_choice_table(data)
           + "\n\nLossless: " + ("every method produced exactly the no-speculation tokens on every prompt."
                                 if not real else f"{len(real)} MISMATCHES (see JSON)") + "\n")
     if args.figures:
@@ -324,6 +325,27 @@ def _summarise(args, prompts, labels, timings, stats, profiles, mismatches) -> d
                         for lab, r in zip(profiles, prof_rows)},
             "execute_ms_by_tokens": {n: 1000 * median(v) for n, v in sorted(by_tokens.items()) if n <= 64},
             "mismatches": mismatches, "markdown": md, "categories": cats}
+
+
+def _k_choice_table(data: list[dict]) -> str:
+    """Per category, the share of verify steps at each draft length for the ``k=auto`` methods
+    (k = 0: the controller turned speculation off for that step)."""
+    rows = []
+    for r in data:
+        if "k=auto" not in r["method"]:
+            continue
+        st = r["spec_stats"]
+        hist = {int(k): v for k, v in (st or {}).get("k_histogram", {}).items()}
+        total = sum(hist.values())
+        if not total:
+            continue
+        off = hist.get(0, 0) / total
+        mean_k = sum(k * v for k, v in hist.items()) / total
+        rows.append([r["category"], r["method"], f"{off:.0%}", f"{mean_k:.2f}", max(hist)])
+    if not rows:
+        return ""
+    return ("\n\nWhat the controller chose (`k=auto`): share of steps with no drafts, mean k, largest k:\n\n"
+            + markdown_table(["category", "method", "k = 0", "mean k", "max k"], rows))
 
 
 def _figures(result: dict, out_dir: str, prefix: str = "spec") -> None:
