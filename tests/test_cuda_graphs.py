@@ -220,7 +220,8 @@ HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.skipif(not HAS_FLASHINFER, reason="flashinfer is not installed")
-def test_real_cuda_graphs_match_eager():
+def _real_graphs():
+    """A bf16 model on the GPU, its caches and backend, and a captured graph runner."""
     dev = torch.device("cuda")
     cfg = msgspec.structs.replace(CFG, head_dim=64)  # FlashInfer wants head_dim >= 64
     model = build_model(cfg, random_state_dict(cfg, seed=4), torch.bfloat16, dev)
@@ -231,6 +232,11 @@ def test_real_cuda_graphs_match_eager():
     runner = CUDAGraphRunner(model, caches, backend, batch_sizes=(1, 2, 3), draft_lens=(0, 2),
                              max_pages_per_req=MAX_PAGES)
     runner.capture()
+    return dev, model, caches, backend, runner
+
+
+def test_real_cuda_graphs_match_eager():
+    dev, model, caches, backend, runner = _real_graphs()
     qo, kv, tables, ids, pos, slots = _step([3, 1, 2], [50, 17, 90], seed=5)
     ids, pos, slots = ids.to(dev), pos.to(dev), slots.to(dev)
     eager = [c.clone() for c in caches]
@@ -243,16 +249,7 @@ def test_real_cuda_graphs_match_eager():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.skipif(not HAS_FLASHINFER, reason="flashinfer is not installed")
 def test_real_cuda_graphs_keep_the_taps():
-    dev = torch.device("cuda")
-    cfg = msgspec.structs.replace(CFG, head_dim=64)
-    model = build_model(cfg, random_state_dict(cfg, seed=4), torch.bfloat16, dev)
-    spec = AttentionSpec(CFG.num_attention_heads, CFG.num_key_value_heads, 64, BLOCK, torch.bfloat16)
-    caches = [torch.zeros(NUM_BLOCKS, 2, BLOCK, CFG.num_key_value_heads, 64, dtype=torch.bfloat16,
-                          device=dev) for _ in range(CFG.num_hidden_layers)]
-    backend = FlashInferBackend(spec, dev)
-    runner = CUDAGraphRunner(model, caches, backend, batch_sizes=(1, 2, 3), draft_lens=(0, 2),
-                             max_pages_per_req=MAX_PAGES)
-    runner.capture()
+    dev, model, caches, backend, runner = _real_graphs()
     runner.set_aux_layers((1, 0))  # recaptures with the taps
     qo, kv, tables, ids, pos, slots = _step([3, 1, 2], [50, 17, 90], seed=5)
     ids, pos, slots = ids.to(dev), pos.to(dev), slots.to(dev)
