@@ -217,9 +217,6 @@ def test_graphs_keep_the_taps_like_the_eager_forward(setup):
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.skipif(not HAS_FLASHINFER, reason="flashinfer is not installed")
 def _real_graphs():
     """A bf16 model on the GPU, its caches and backend, and a captured graph runner."""
     dev = torch.device("cuda")
@@ -235,6 +232,9 @@ def _real_graphs():
     return dev, model, caches, backend, runner
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not HAS_FLASHINFER, reason="flashinfer is not installed")
 def test_real_cuda_graphs_match_eager():
     dev, model, caches, backend, runner = _real_graphs()
     qo, kv, tables, ids, pos, slots = _step([3, 1, 2], [50, 17, 90], seed=5)
