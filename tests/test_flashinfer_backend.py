@@ -11,12 +11,8 @@ import pytest
 import torch
 
 from tokenbudget.kernels.attention.base import AttentionSpec
-from tokenbudget.kernels.attention.flashinfer_backend import (
-    DEFAULT_WORKSPACE_BYTES,
-    FlashInferBackend,
-    build_page_table,
-    eager_workspace_bytes,
-)
+from tokenbudget.kernels.attention.flashinfer_backend import DEFAULT_WORKSPACE_BYTES, FlashInferBackend
+from tokenbudget.kernels.attention.flashinfer_plan import build_page_table, eager_workspace_bytes
 from tokenbudget.kernels.kv_write import write_kv_reference
 
 import flashinfer_standin as fis

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenbudget.kernels.attention.base import AttentionMetadata
-from tokenbudget.kernels.attention.flashinfer_backend import UNIFORM_MAX_Q_LEN
+from tokenbudget.kernels.attention.flashinfer_plan import UNIFORM_MAX_Q_LEN
 from tokenbudget.kernels.triton_utils import HAS_TRITON
 
 

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 def _flashinfer_refusal(spec: AttentionSpec, device: torch.device) -> str:
     """Why FlashInfer cannot serve this spec here ("" when it can); imports it to find out."""
-    from tokenbudget.kernels.attention.flashinfer_backend import flashinfer_refusal
+    from tokenbudget.kernels.attention.flashinfer_plan import flashinfer_refusal
     why = flashinfer_refusal(spec, device)
     if why:
         return why
