@@ -5,9 +5,14 @@ plain causal attention, no cache, no engine."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 import transformers
 
+from tokenbudget.api.sampling_params import SamplingParams
+from tokenbudget.engine.entrypoints.llm import LLM
 from tokenbudget.engine.model.eagle3 import Eagle3Config, Eagle3Head, causal_attention, save_eagle3
 
 from tiny_llama import VOCAB, make_tiny_llama
@@ -72,3 +77,44 @@ def reference_drafts(hf: transformers.LlamaForCausalLM, head: Eagle3Head, tokens
         hidden = torch.cat([hidden, h[-1:]])
         positions = torch.arange(n + j + 1)
     return drafts, first
+
+
+# ---- the engine over the tiny target, shared by the EAGLE-3 test modules ----
+
+PROMPTS = ["hello world, hello world, hello", "abcabcabcabc", "The quick brown fox",
+           "x" * 40 + " then some more text to make this prompt a good deal longer than the others"]
+
+
+def engine(target, spec=None, **opts) -> LLM:
+    opts.setdefault("kv_cache_memory_bytes", 4 << 20)
+    opts.setdefault("num_threads", 1)
+    return LLM(str(target), speculative_config=spec, **opts)
+
+
+def eagle(head_dir, k=3) -> dict:
+    return {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": k}
+
+
+def greedy(max_tokens: int = 24, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def token_ids(llm: LLM, prompts, params) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def kv_bytes(target, blocks: int, block_size: int = 8) -> int:
+    with open(os.path.join(target, "config.json")) as f:
+        c = json.load(f)
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    return blocks * c["num_hidden_layers"] * 2 * block_size * c["num_key_value_heads"] * head_dim * 4
+
+
+def make_dirs(root) -> dict:
+    """The tiny target and a random head under ``root`` (a module fixture's temporary folder)."""
+    return {"root": root, "target": make_target(root / "target"), "head": write_head(root / "head", random_head(0))}
+
+
+def baseline_tokens(dirs) -> list[list[int]]:
+    """Plain decoding's greedy tokens for ``PROMPTS`` on the tiny target."""
+    return token_ids(engine(dirs["target"]), PROMPTS, greedy())

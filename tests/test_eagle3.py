@@ -1,66 +1,45 @@
 """The EAGLE-3 drafter (engine/worker/eagle3_proposer.py) on a tiny random target with random heads
 written in the published layout: losslessness under chunked prefill, preemption, prefix caching,
 n > 1, structured output and sampling; the head's own KV against a from-scratch reference; the
-step transaction (rollback) and the one release path; the loader and the validation errors."""
+step transaction (rollback) and the one release path. The loader and the validation errors:
+test_eagle3_loading.py."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 
 from tokenbudget.api.sampling_params import SamplingParams
 from tokenbudget.api.structured_params import StructuredOutputsParams
 from tokenbudget.engine.entrypoints.llm import LLM
-from tokenbudget.engine.model.eagle3 import load_eagle3, save_eagle3
+from tokenbudget.engine.model.eagle3 import load_eagle3
 from tokenbudget.testing.faults import FaultInjectingRunner, FaultPlan
 
-from eagle3_fixtures import AUX_IDS, DRAFT_VOCAB, make_target, random_head, reference_drafts, write_head
+from eagle3_fixtures import (
+    PROMPTS,
+    baseline_tokens,
+    eagle,
+    engine,
+    greedy,
+    kv_bytes,
+    make_dirs,
+    reference_drafts,
+    token_ids,
+)
 from tiny_llama import VOCAB
-
-PROMPTS = ["hello world, hello world, hello", "abcabcabcabc", "The quick brown fox",
-           "x" * 40 + " then some more text to make this prompt a good deal longer than the others"]
-
-
-def engine(target, spec=None, **opts) -> LLM:
-    opts.setdefault("kv_cache_memory_bytes", 4 << 20)
-    opts.setdefault("num_threads", 1)
-    return LLM(str(target), speculative_config=spec, **opts)
-
-
-def eagle(head_dir, k=3) -> dict:
-    return {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": k}
-
-
-def greedy(max_tokens: int = 24, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
-
-
-def token_ids(llm: LLM, prompts, params) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def kv_bytes(target, blocks: int, block_size: int = 8) -> int:
-    with open(os.path.join(target, "config.json")) as f:
-        c = json.load(f)
-    head_dim = c["hidden_size"] // c["num_attention_heads"]
-    return blocks * c["num_hidden_layers"] * 2 * block_size * c["num_key_value_heads"] * head_dim * 4
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("eagle3")
-    target = make_target(root / "target")
-    return {"root": root, "target": target, "head": write_head(root / "head", random_head(0))}
+    return make_dirs(tmp_path_factory.mktemp("eagle3"))
 
 
 @pytest.fixture(scope="module")
 def baseline(dirs):
-    return token_ids(engine(dirs["target"]), PROMPTS, greedy())
+    return baseline_tokens(dirs)
 
 
 def stressed(dirs, blocks: int, **opts) -> dict:
@@ -245,84 +224,6 @@ def test_abort_releases_the_head_state(dirs) -> None:
         eng.abort_request(f"a{i}", missing_ok=True)
     assert proposer.num_tracked_requests == 0
     eng.core.scheduler.check_integrity()
-
-
-# ---- the loader: the published layout and its variants ----
-
-def _published(src, dst, *, prefix: str = "", drop=(), embed: bool = False) -> str:
-    os.makedirs(dst, exist_ok=True)
-    state = load_file(os.path.join(src, "model.safetensors"))
-    state = {prefix + k: v for k, v in state.items() if k not in drop}
-    if embed:
-        state[prefix + "embed_tokens.weight"] = torch.zeros(VOCAB, 64)
-    save_file(state, os.path.join(dst, "model.safetensors"))
-    with open(os.path.join(src, "config.json")) as f:
-        cfg = json.load(f)
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return str(dst)
-
-
-def test_published_layout_names_and_variants(dirs) -> None:
-    head = dirs["head"]
-    with open(os.path.join(head, "config.json")) as f:
-        cfg = json.load(f)
-    assert cfg["draft_vocab_size"] == DRAFT_VOCAB and cfg["vocab_size"] == VOCAB
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == list(AUX_IDS)
-    names = set(load_file(os.path.join(head, "model.safetensors")))
-    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight",
-            "midlayer.self_attn.q_proj.weight", "midlayer.mlp.down_proj.weight"} <= names
-    ref = load_eagle3(head)
-    root = dirs["root"]
-    variants = [_published(head, root / "prefixed", prefix="model.", embed=True),
-                _published(head, root / "no_t2d", drop=("t2d",))]
-    for path in variants:
-        got = load_eagle3(path)
-        for (name, a), (_, b) in zip(sorted(ref.state_dict().items()), sorted(got.state_dict().items())):
-            assert torch.equal(a, b), name
-    want = token_ids(engine(dirs["target"], eagle(head)), PROMPTS[:2], greedy(12))
-    for path in variants:  # the same drafts: the same acceptance
-        llm = engine(dirs["target"], eagle(path))
-        assert token_ids(llm, PROMPTS[:2], greedy(12)) == want
-
-
-def test_fp16_head_runs(dirs, baseline) -> None:
-    path = dirs["root"] / "fp16"
-    save_eagle3(random_head(1), str(path))  # the default: float16 on disk
-    assert token_ids(engine(dirs["target"], eagle(path, k=2)), PROMPTS, greedy()) == baseline
-
-
-@pytest.mark.parametrize("override, field", [({"vocab_size": VOCAB + 10}, "vocab_size"),
-                                             ({"target_hidden_size": 32}, "target_hidden_size"),
-                                             ({"aux_layer_ids": (1, 3, 9)}, "taps layers")])
-def test_mismatched_head_is_refused(dirs, override, field) -> None:
-    path = write_head(dirs["root"] / f"bad_{field}", random_head(2, **override))
-    with pytest.raises(ValueError, match=rf"speculative_config\.model: .*{field}"):
-        engine(dirs["target"], eagle(path))
-
-
-@pytest.mark.parametrize("spec, match", [
-    ({"method": "eagle3", "model": "/nonexistent/head"}, r"speculative_config\.model: .*not a directory"),
-    ({"method": "eagle3"}, r"speculative_config\.model: no EAGLE-3 head is shipped"),
-    ({"method": "eagle3", "num_speculative_tokens": 0}, r"num_speculative_tokens"),
-    ({"method": "eagle3", "draft_num_layers": 2}, r"draft_num_layers"),
-    ({"method": "ngram", "model": "/x"}, r"speculative_config\['model'\]"),
-    ({"method": "suffix", "enable_suffix_decoding": True}, r"speculative_config\['enable_suffix_decoding'\]"),
-])
-def test_validation_errors_name_the_field(dirs, spec, match) -> None:
-    with pytest.raises(ValueError, match=match):
-        engine(dirs["target"], spec)
-
-
-def test_cuda_graphs_is_refused_before_loading() -> None:
-    from tokenbudget.api.config import EngineConfig
-    with pytest.raises(ValueError, match=r"^cuda_graphs: .*eagle3"):
-        EngineConfig(model="/nonexistent", cuda_graphs=True, speculative_config={"method": "eagle3"})
-
-
-def test_not_a_head_directory(dirs) -> None:
-    with pytest.raises(ValueError, match=r"speculative_config\.model: .*no config.json"):
-        engine(dirs["target"], eagle(dirs["root"]))
 
 
 def test_quantized_target_runs_a_quantized_head(dirs) -> None:
