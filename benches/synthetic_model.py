@@ -207,10 +207,9 @@ def apply_engine_modes(eng: SyntheticEngine, *, deterministic: bool = False, cud
     if cuda_graphs:
         from tokenbudget.engine.worker.cuda_graphs import CUDAGraphRunner
         cfg = eng.scheduler.config
-        sizes = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= cfg.max_num_seqs)
-        ks = (0, max_spec_tokens) if max_spec_tokens else (0,)
-        graphs = CUDAGraphRunner(runner.model, runner.kv_caches, runner.attn_backend, batch_sizes=sizes,
-                                 draft_lens=ks, max_pages_per_req=-(-cfg.max_model_len // cfg.block_size))
+        graphs = CUDAGraphRunner.for_engine(runner.model, runner.kv_caches, runner.attn_backend,
+                                            max_num_seqs=cfg.max_num_seqs, max_spec_tokens=max_spec_tokens,
+                                            max_model_len=cfg.max_model_len, block_size=cfg.block_size)
         graphs.capture()
         runner.model = graphs
 

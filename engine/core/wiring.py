@@ -128,12 +128,10 @@ def _wrap_in_cuda_graphs(runner: ModelRunner, kv_caches, spec_config, max_model_
     if runner.device.type != "cuda" or runner.attn_backend.name != "flashinfer" or not HAS_TRITON:
         raise ValueError("cuda_graphs=True needs device='cuda' with flashinfer and triton installed")
     from tokenbudget.engine.worker.cuda_graphs import CUDAGraphRunner
-    # Draft counts below the captured k are padded into the k bucket (adaptive and n-gram
-    # drafts vary per request), so one verify bucket covers every k <= max_spec_tokens.
-    ks = (0,) if spec_config is None else (0, spec_config.max_spec_tokens)
-    sizes = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= config.max_num_seqs)
-    graphs = CUDAGraphRunner(runner.model, kv_caches, runner.attn_backend, batch_sizes=sizes,
-                             draft_lens=ks, max_pages_per_req=-(-max_model_len // config.block_size))
+    graphs = CUDAGraphRunner.for_engine(
+        runner.model, kv_caches, runner.attn_backend, max_num_seqs=config.max_num_seqs,
+        max_spec_tokens=0 if spec_config is None else spec_config.max_spec_tokens,
+        max_model_len=max_model_len, block_size=config.block_size)
     graphs.capture()
     runner.model = graphs
 

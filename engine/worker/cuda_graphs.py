@@ -106,6 +106,17 @@ class CUDAGraphRunner:
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.aux_hidden_states: torch.Tensor | None = None  # the last call's taps (set_aux_layers)
 
+    @classmethod
+    def for_engine(cls, model, kv_caches: list[torch.Tensor], backend, *, max_num_seqs: int,
+                   max_spec_tokens: int, max_model_len: int, block_size: int) -> CUDAGraphRunner:
+        """The engine's buckets: batch sizes 1, 2, 4 ... 64 up to ``max_num_seqs``; k = 0 and
+        ``max_spec_tokens`` (draft counts below it are padded into its bucket: adaptive and n-gram
+        drafts vary per request, so one verify bucket covers every k). Not captured yet."""
+        sizes = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_num_seqs)
+        ks = (0, max_spec_tokens) if max_spec_tokens else (0,)
+        return cls(model, kv_caches, backend, batch_sizes=sizes, draft_lens=ks,
+                   max_pages_per_req=-(-max_model_len // block_size))
+
     # ---- drop-in model interface -----------------------------------------------------------
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
