@@ -121,29 +121,40 @@ class TorchRefBackend(AttentionBackend):
 
     def build_metadata(self, qo_indptr: list[int], kv_lens: list[int],
                        block_tables: list[list[int]], slot_mapping: torch.Tensor) -> AttentionMetadata:
-        spec, bs = self.spec, self.spec.block_size
-        check_metadata_inputs(qo_indptr, kv_lens, block_tables, bs)
+        """Checks the inputs now; the per-request plans (key rows, buffers, masks) are built by the
+        first ``write_kv`` or ``attend`` of the step (``_data``): a model forward that attends
+        itself (the C decoder forward) never calls either, and must not pay ~1 MB of zeroed
+        buffers per step for a plan it does not use."""
+        check_metadata_inputs(qo_indptr, kv_lens, block_tables, self.spec.block_size)
         num_tokens = qo_indptr[-1]
         if slot_mapping.shape[0] != num_tokens:
             raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries, expected {num_tokens}")
-        dev = self.device
-        hk, d = spec.num_kv_heads, spec.head_dim
-        slots = slot_mapping.to(device=dev, dtype=torch.long)
+        slots = slot_mapping.to(device=self.device, dtype=torch.long)
+        return AttentionMetadata(list(qo_indptr), list(kv_lens), block_tables, slots, num_tokens, None, self)
+
+    def _data(self, md: AttentionMetadata) -> TorchRefData:
+        """The step's plans, built once (``build_metadata``)."""
+        if md.backend_data is None:
+            md.backend_data = self._plan(md)
+        return md.backend_data
+
+    def _plan(self, md: AttentionMetadata) -> TorchRefData:
+        bs, dev = self.spec.block_size, self.device
+        hk, d = self.spec.num_kv_heads, self.spec.head_dim
         plans = []
-        for b, kv_len in enumerate(kv_lens):
-            q_start, q_len = qo_indptr[b], qo_indptr[b + 1] - qo_indptr[b]
+        for b, kv_len in enumerate(md.kv_lens):
+            q_start, q_len = md.qo_indptr[b], md.qo_indptr[b + 1] - md.qo_indptr[b]
             np_ = padded_kv_len(kv_len)
             pos = torch.arange(kv_len, device=dev)
-            blocks = torch.tensor(block_tables[b][:-(-kv_len // bs)], dtype=torch.long, device=dev)
+            blocks = torch.tensor(md.block_tables[b][:-(-kv_len // bs)], dtype=torch.long, device=dev)
             k_rows = self._cache_rows(blocks[pos // bs], pos % bs)
             vbuf = torch.zeros(hk, np_, d + 1, device=dev)
             vbuf[:, :kv_len, d] = 1.0
             tiles = [self._tile(r0, min(r0 + Q_TILE, q_len), q_len, kv_len, np_, q_len <= Q_TILE)
                      for r0 in range(0, q_len, Q_TILE)]
             plans.append(_ReqPlan(q_start, q_len, kv_len, k_rows, torch.zeros(hk, np_, d, device=dev), vbuf, tiles))
-        data = TorchRefData(plans, self._cache_rows(torch.div(slots, bs, rounding_mode="floor"), slots % bs))
-        return AttentionMetadata(list(qo_indptr), list(kv_lens), block_tables, slots,
-                                 num_tokens, data, self)
+        slots = md.slot_mapping
+        return TorchRefData(plans, self._cache_rows(torch.div(slots, bs, rounding_mode="floor"), slots % bs))
 
     def _tile(self, r0: int, r1: int, q_len: int, kv_len: int, np_: int, keep_bias: bool) -> _Tile:
         hk, d = self.spec.num_kv_heads, self.spec.head_dim
@@ -161,7 +172,7 @@ class TorchRefBackend(AttentionBackend):
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  metadata: AttentionMetadata) -> None:
-        rows, n = metadata.backend_data.write_rows, metadata.num_tokens
+        rows, n = self._data(metadata).write_rows, metadata.num_tokens
         flat = _flat(kv_cache)
         flat.index_copy_(0, rows, k[:n].to(kv_cache.dtype))
         flat.index_copy_(0, rows + self.spec.block_size, v[:n].to(kv_cache.dtype))
@@ -172,7 +183,7 @@ class TorchRefBackend(AttentionBackend):
         out = torch.empty_like(q)
         out[n:].zero_()
         flat = _flat(kv_cache)
-        for p in metadata.backend_data.plans:
+        for p in self._data(metadata).plans:
             out[p.q_start:p.q_start + p.q_len] = self._attend_one(q, flat, p)
         return out
 
