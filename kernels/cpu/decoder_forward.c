@@ -132,7 +132,8 @@ static void rope_heads(float *x, int64_t nh, int64_t d, const float *cos, const 
     for (int64_t hh = 0; hh < nh; hh++) {
         float *v = x + hh * d;
         for (int64_t i = 0; i < d; i++) tmp[i] = v[i];
-        for (int64_t i = 0; i < d; i++) v[i] = tmp[i] * cos[i] + tmp[(i + half) % d] * sin[i];
+        for (int64_t i = 0; i < half; i++) v[i] = tmp[i] * cos[i] + tmp[i + half] * sin[i];
+        for (int64_t i = half; i < d; i++) v[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
     }
 }
 
@@ -176,12 +177,74 @@ typedef struct {
  * nr * G * cmax floats (cmax = the largest context), pair (r, j) at (r * G + j) * cmax. */
 #if defined(TB_AVX512_VNNI)
 /* The same attention (same operations, same order) in AVX-512: scores for 16 keys at a time, their
- * lane sums by one transposed tree (sum16x16); exp in 16 lanes; P @ V with up to MAX_GROUP
- * accumulators in registers per V load. */
-static void attend_rows(const Dims *dm, const float *q, int64_t qstride, int64_t nr, const int32_t *ctxs,
-                        const float *kv, const int32_t *blocks, int64_t g, float *scores, float *out,
-                        int64_t ostride) {
-    const int64_t d = dm->d, hk = dm->hk, gsz = dm->hq / hk, bs = dm->bs, nv = d / LANES;
+ * lane sums by one transposed tree (sum16x16); exp in 16 lanes; P @ V with the pass's accumulators
+ * in registers. attend_nd is inlined once per head size with ND = D / 16 a constant (4: D = 64,
+ * 8: D = 128) and once with ND a variable (any other D), so the loops over a key's 16-lane chunks
+ * and over a pass's pairs unroll into registers where it matters. */
+
+/* Scores of one (row, head) pair against the n <= 16 keys of a chunk, times scale, into s[0, n):
+ * key i's q . k accumulates its ND chunks in order; the 16 keys' lanes are summed by sum16x16. */
+INLINE void qk_chunk(const float *qj, const float *const *keys, const int64_t n, const int64_t ND, __m512 scale,
+                     float *s) {
+    __m512 qv[MAX_D / LANES], acc[LANES];
+    for (int64_t e = 0; e < ND; e++) qv[e] = _mm512_loadu_ps(qj + LANES * e);
+    for (int64_t i = 0; i < LANES; i++) {
+        const int64_t key = (i % 4) * 4 + i / 4; /* the slot sum16x16 puts in lane key */
+        if (key < n) {
+            const float *k = keys[key];
+            __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+            for (int64_t e = 1; e < ND; e++) a = _mm512_add_ps(a, _mm512_mul_ps(qv[e], _mm512_loadu_ps(k + LANES * e)));
+            acc[i] = a;
+        } else {
+            acc[i] = _mm512_setzero_ps();
+        }
+    }
+    const __mmask16 mk = n == LANES ? 0xFFFF : (__mmask16)((1u << n) - 1);
+    _mm512_mask_storeu_ps(s, mk, _mm512_mul_ps(sum16x16(acc), scale));
+}
+
+#define PV_REGS 24 /* accumulators of one P @ V pass (of 32 zmm: the rest hold a V row and a score) */
+
+/* P @ V for the NP pairs k0 .. k0 + NP - 1 (pair k's context pctx[k]): out = (sum over p < pctx[k],
+ * in order, of s_k[p] * v_p) * inv, in ND 16-lane slices. Each V row is loaded once for the whole
+ * pass (NP * ND accumulators), walked block by block (no division per key). */
+INLINE void pv_pass(const int64_t NP, const int64_t ND, const Dims *dm, const float *kv, const int32_t *blocks,
+                    int64_t g, const float *scores, int64_t cmax, int64_t k0, const int64_t *pctx, const float *inv,
+                    int64_t gsz, float *out, int64_t ostride) {
+    const int64_t d = dm->d, bs = dm->bs, vstride = dm->hk * d;
+    __m512 acc[PV_REGS];
+    int64_t lo = INT64_MAX, hi = 0; /* all pairs run to lo; only some past it */
+    for (int64_t k = 0; k < NP; k++) {
+        lo = pctx[k] < lo ? pctx[k] : lo;
+        hi = pctx[k] > hi ? pctx[k] : hi;
+    }
+    for (int64_t a = 0; a < NP * ND; a++) acc[a] = _mm512_setzero_ps();
+    const float *sp = scores + k0 * cmax;
+    for (int64_t p0 = 0, b = 0; p0 < hi; p0 += bs, b++) {
+        const float *vrow = kv + (((int64_t)blocks[b] * 2 + 1) * bs) * vstride + g * d;
+        const int64_t pend = p0 + bs < hi ? p0 + bs : hi;
+        for (int64_t p = p0; p < pend; p++, vrow += vstride) {
+            __m512 v[MAX_D / LANES];
+            for (int64_t i = 0; i < ND; i++) v[i] = _mm512_loadu_ps(vrow + LANES * i);
+            for (int64_t k = 0; k < NP; k++) {
+                if (p >= lo && p >= pctx[k]) continue;
+                const __m512 sv = _mm512_set1_ps(sp[k * cmax + p]);
+                for (int64_t i = 0; i < ND; i++) acc[k * ND + i] = _mm512_add_ps(acc[k * ND + i], _mm512_mul_ps(sv, v[i]));
+            }
+        }
+    }
+    for (int64_t k = 0; k < NP; k++) {
+        const int64_t pr = k0 + k, r = pr / gsz, j = pr % gsz;
+        const __m512 iv = _mm512_set1_ps(inv[pr]);
+        for (int64_t i = 0; i < ND; i++)
+            _mm512_storeu_ps(out + r * ostride + (g * gsz + j) * d + LANES * i, _mm512_mul_ps(acc[k * ND + i], iv));
+    }
+}
+
+INLINE void attend_nd(const int64_t ND, const Dims *dm, const float *q, int64_t qstride, int64_t nr,
+                      const int32_t *ctxs, const float *kv, const int32_t *blocks, int64_t g, float *scores,
+                      float *out, int64_t ostride) {
+    const int64_t d = dm->d, hk = dm->hk, gsz = dm->hq / hk, bs = dm->bs;
     int64_t cmax = 0;
     for (int64_t r = 0; r < nr; r++) cmax = ctxs[r] > cmax ? ctxs[r] : cmax;
     const __m512 scale = _mm512_set1_ps(dm->scale);
@@ -195,30 +258,21 @@ static void attend_rows(const Dims *dm, const float *q, int64_t qstride, int64_t
         for (int64_t r = 0; r < nr; r++) {
             if (p0 >= ctxs[r]) continue;
             const int64_t nk = ctxs[r] - p0 < LANES ? ctxs[r] - p0 : LANES; /* this row's keys here */
-            const __mmask16 mk = nk == LANES ? 0xFFFF : (__mmask16)((1u << nk) - 1);
             for (int64_t j = 0; j < gsz; j++) {
                 const float *qj = q + r * qstride + (g * gsz + j) * d;
-                __m512 acc[LANES];
-                for (int64_t i = 0; i < LANES; i++) {
-                    const int64_t key = (i % 4) * 4 + i / 4; /* the slot sum16x16 puts in lane key */
-                    if (key < nk) {
-                        const float *k = keys[key];
-                        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qj), _mm512_loadu_ps(k));
-                        for (int64_t e = LANES; e < d; e += LANES)
-                            a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_loadu_ps(qj + e), _mm512_loadu_ps(k + e)));
-                        acc[i] = a;
-                    } else {
-                        acc[i] = _mm512_setzero_ps();
-                    }
-                }
-                _mm512_mask_storeu_ps(scores + (r * gsz + j) * cmax + p0, mk, _mm512_mul_ps(sum16x16(acc), scale));
+                float *s = scores + (r * gsz + j) * cmax + p0;
+                if (nk == LANES)
+                    qk_chunk(qj, keys, LANES, ND, scale, s);
+                else
+                    qk_chunk(qj, keys, nk, ND, scale, s);
             }
         }
     }
     const int64_t npairs = nr * gsz;
     float inv[npairs];
+    int64_t pctx[npairs];
     for (int64_t pr = 0; pr < npairs; pr++) {
-        const int64_t ctx = ctxs[pr / gsz];
+        const int64_t ctx = pctx[pr] = ctxs[pr / gsz];
         float *s = scores + pr * cmax;
         __m512 mxv = _mm512_set1_ps(-INFINITY);
         for (int64_t p = 0; p < ctx; p += LANES) {
@@ -236,45 +290,35 @@ static void attend_rows(const Dims *dm, const float *q, int64_t qstride, int64_t
         }
         inv[pr] = 1.0f / sum16v(sum);
     }
-    for (int64_t k0 = 0; k0 < npairs; k0 += MAX_GROUP) {
-        const int64_t np = npairs - k0 < MAX_GROUP ? npairs - k0 : MAX_GROUP;
-        int64_t pctx[MAX_GROUP], lo = INT64_MAX, hi = 0; /* the pass's contexts: all pairs run to lo */
-        for (int64_t k = 0; k < np; k++) {
-            pctx[k] = ctxs[(k0 + k) / gsz];
-            lo = pctx[k] < lo ? pctx[k] : lo;
-            hi = pctx[k] > hi ? pctx[k] : hi;
+    /* passes of up to PV_REGS / ND pairs (a decode's G pairs in one pass at D = 64), each pass
+     * inlined for its pair count where ND is a constant */
+    const int64_t width = PV_REGS / ND;
+    for (int64_t k0 = 0; k0 < npairs; k0 += width) {
+        const int64_t np = npairs - k0 < width ? npairs - k0 : width;
+#define PV(NP) pv_pass(NP, ND, dm, kv, blocks, g, scores, cmax, k0, pctx + k0, inv, gsz, out, ostride)
+        switch (ND == 4 || ND == 8 ? np : 0) {
+        case 1: PV(1); break;
+        case 2: PV(2); break;
+        case 3: PV(3); break;
+        case 4: PV(4); break;
+        case 5: PV(5); break;
+        case 6: PV(6); break;
+        default: PV(np);
         }
-        /* one 16-column slice of the output at a time, its MAX_GROUP accumulators in registers
-         * (a fixed, unrolled pair loop); each V row is loaded once for all the pass's pairs */
-        for (int64_t i = 0; i < nv; i++) {
-            __m512 acc[MAX_GROUP];
-#pragma GCC unroll 8
-            for (int64_t k = 0; k < MAX_GROUP; k++) acc[k] = _mm512_setzero_ps();
-            int64_t p = 0, b = 0, off = 0;
-            for (; p < lo; p++) {
-                const __m512 v = _mm512_loadu_ps(kv + (((int64_t)blocks[b] * 2 + 1) * bs + off) * hk * d + g * d + LANES * i);
-                if (++off == bs) off = 0, b++;
-                const float *sp = scores + k0 * cmax + p;
-#pragma GCC unroll 8
-                for (int64_t k = 0; k < MAX_GROUP; k++)
-                    if (k < np) acc[k] = _mm512_add_ps(acc[k], _mm512_mul_ps(_mm512_set1_ps(sp[k * cmax]), v));
-            }
-            for (; p < hi; p++) { /* the last few positions: only the pairs whose context reaches them */
-                const __m512 v = _mm512_loadu_ps(kv + (((int64_t)blocks[b] * 2 + 1) * bs + off) * hk * d + g * d + LANES * i);
-                if (++off == bs) off = 0, b++;
-                const float *sp = scores + k0 * cmax + p;
-                for (int64_t k = 0; k < np; k++)
-                    if (p < pctx[k]) acc[k] = _mm512_add_ps(acc[k], _mm512_mul_ps(_mm512_set1_ps(sp[k * cmax]), v));
-            }
-#pragma GCC unroll 8
-            for (int64_t k = 0; k < MAX_GROUP; k++)
-                if (k < np) {
-                    const int64_t pr = k0 + k, r = pr / gsz, j = pr % gsz;
-                    _mm512_storeu_ps(out + r * ostride + (g * gsz + j) * d + LANES * i,
-                                     _mm512_mul_ps(acc[k], _mm512_set1_ps(inv[pr])));
-                }
-        }
+#undef PV
     }
+}
+
+static void attend_rows(const Dims *dm, const float *q, int64_t qstride, int64_t nr, const int32_t *ctxs,
+                        const float *kv, const int32_t *blocks, int64_t g, float *scores, float *out,
+                        int64_t ostride) {
+    const int64_t nd = dm->d / LANES;
+    if (nd == 4)
+        attend_nd(4, dm, q, qstride, nr, ctxs, kv, blocks, g, scores, out, ostride);
+    else if (nd == 8)
+        attend_nd(8, dm, q, qstride, nr, ctxs, kv, blocks, g, scores, out, ostride);
+    else
+        attend_nd(nd, dm, q, qstride, nr, ctxs, kv, blocks, g, scores, out, ostride);
 }
 #else
 static void attend_rows(const Dims *dm, const float *q, int64_t qstride, int64_t nr, const int32_t *ctxs,

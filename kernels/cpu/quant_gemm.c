@@ -69,9 +69,6 @@ INLINE float half_to_float(uint16_t h) {
 /* The variant this library was built as (native.py checks it). */
 const char *tb_variant(void) { return TB_VARIANT_NAME; }
 
-/* Round to nearest even for |v| < 2^22, with two IEEE adds (the same in every variant, no libm). */
-INLINE float round_even(float v) { return (v + 12582912.0f) - 12582912.0f; }
-
 /* max |a[i]| over a group: on the bit patterns with the sign cleared, whose integer order is the
  * order of the non-negative floats (exact; an integer max vectorizes, a float max does not
  * without -ffast-math). */
@@ -88,6 +85,30 @@ INLINE float group_amax(const float *a) {
     return f;
 }
 
+/* 16 lanes as one value (gcc and clang vector extensions): the compiler maps the element-wise
+ * operations to the variant's registers (one zmm, two ymm, four xmm / NEON q, or scalars), and each
+ * lane computes exactly the scalar operation it replaces. */
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+
+/* Round to nearest even for |v| < 2^22, with two IEEE adds (the same in every variant, no libm). */
+INLINE f32x16 round_even(f32x16 v) { return (v + 12582912.0f) - 12582912.0f; }
+
+/* min(max(r, -128), 127) lane by lane, NaN kept (as the scalar comparisons keep it). Never active
+ * for finite inputs (|a * 127 / amax| <= 127 after rounding), but 127 / amax overflows to inf for
+ * amax below ~4e-37, and then it is. */
+INLINE f32x16 clamp_i8(f32x16 r) {
+    const f32x16 hi = (f32x16){0} + 127.0f, lo = (f32x16){0} - 128.0f;
+    i32x16 ri, gt = r > hi, lt = r < lo, hii, loi;
+    memcpy(&ri, &r, 64);
+    memcpy(&hii, &hi, 64);
+    memcpy(&loi, &lo, 64);
+    ri = (ri & ~gt & ~lt) | (hii & gt) | (loi & lt);
+    memcpy(&r, &ri, 64);
+    return r;
+}
+
 static void quantize_row(const XRows *x, const float *src, int64_t m) {
     const int64_t k = x->k, ng = k / GROUP;
     int8_t *q = x->q + m * k;
@@ -95,13 +116,18 @@ static void quantize_row(const XRows *x, const float *src, int64_t m) {
         const float *a = src + g * GROUP;
         const float amax = group_amax(a);
         const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int32_t sum = 0;
-        for (int i = 0; i < GROUP; i++) {
-            float r = round_even(a[i] * id);
-            r = r > 127.0f ? 127.0f : (r < -128.0f ? -128.0f : r);
-            q[g * GROUP + i] = (int8_t)r;
-            sum += (int32_t)r;
+        i32x16 sums = {0};
+        for (int h = 0; h < GROUP; h += 16) {
+            f32x16 v;
+            memcpy(&v, a + h, 64);
+            const f32x16 r = clamp_i8(round_even(v * id));
+            const i32x16 qi = __builtin_convertvector(r, i32x16); /* integral already: exact */
+            const i8x16 qb = __builtin_convertvector(qi, i8x16);
+            memcpy(q + g * GROUP + h, &qb, 16);
+            sums += qi;
         }
+        int32_t sum = 0;
+        for (int i = 0; i < 16; i++) sum += sums[i];
         x->dx[m * ng + g] = d;
         x->xs[m * ng + g] = d * (float)sum;
         x->corr[m * ng + g] = -128 * sum;
