@@ -85,27 +85,35 @@ INLINE float group_amax(const float *a) {
     return f;
 }
 
-/* 16 lanes as one value (gcc and clang vector extensions): the compiler maps the element-wise
- * operations to the variant's registers (one zmm, two ymm, four xmm / NEON q, or scalars), and each
- * lane computes exactly the scalar operation it replaces. */
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef int8_t i8x16 __attribute__((vector_size(16)));
+/* The quantization in generic vectors of the variant's register width (gcc and clang vector
+ * extensions; wider ones are built through the stack by gcc): each lane computes exactly the
+ * scalar operation it replaces. */
+#if defined(TB_AVX512_VNNI)
+#define QL 16
+#elif defined(TB_AVX2) || defined(TB_AVX_VNNI)
+#define QL 8
+#else
+#define QL 4
+#endif
+typedef float qf __attribute__((vector_size(QL * 4)));
+typedef int32_t qi __attribute__((vector_size(QL * 4)));
+typedef int8_t qb __attribute__((vector_size(QL)));
 
 /* Round to nearest even for |v| < 2^22, with two IEEE adds (the same in every variant, no libm). */
-INLINE f32x16 round_even(f32x16 v) { return (v + 12582912.0f) - 12582912.0f; }
+INLINE qf round_even(qf v) { return (v + 12582912.0f) - 12582912.0f; }
 
 /* min(max(r, -128), 127) lane by lane, NaN kept (as the scalar comparisons keep it). Never active
  * for finite inputs (|a * 127 / amax| <= 127 after rounding), but 127 / amax overflows to inf for
  * amax below ~4e-37, and then it is. */
-INLINE f32x16 clamp_i8(f32x16 r) {
-    const f32x16 hi = (f32x16){0} + 127.0f, lo = (f32x16){0} - 128.0f;
-    i32x16 ri, gt = r > hi, lt = r < lo, hii, loi;
-    memcpy(&ri, &r, 64);
-    memcpy(&hii, &hi, 64);
-    memcpy(&loi, &lo, 64);
+INLINE qf clamp_i8(qf r) {
+    const qf hi = (qf){0} + 127.0f, lo = (qf){0} - 128.0f;
+    qi ri, hii, loi;
+    const qi gt = r > hi, lt = r < lo;
+    memcpy(&ri, &r, sizeof r);
+    memcpy(&hii, &hi, sizeof hi);
+    memcpy(&loi, &lo, sizeof lo);
     ri = (ri & ~gt & ~lt) | (hii & gt) | (loi & lt);
-    memcpy(&r, &ri, 64);
+    memcpy(&r, &ri, sizeof r);
     return r;
 }
 
@@ -116,18 +124,18 @@ static void quantize_row(const XRows *x, const float *src, int64_t m) {
         const float *a = src + g * GROUP;
         const float amax = group_amax(a);
         const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        i32x16 sums = {0};
-        for (int h = 0; h < GROUP; h += 16) {
-            f32x16 v;
-            memcpy(&v, a + h, 64);
-            const f32x16 r = clamp_i8(round_even(v * id));
-            const i32x16 qi = __builtin_convertvector(r, i32x16); /* integral already: exact */
-            const i8x16 qb = __builtin_convertvector(qi, i8x16);
-            memcpy(q + g * GROUP + h, &qb, 16);
-            sums += qi;
+        const qf idv = (qf){0} + id;
+        qi sums = {0};
+        for (int h = 0; h < GROUP; h += QL) {
+            qf v;
+            memcpy(&v, a + h, sizeof v);
+            const qi qv = __builtin_convertvector(clamp_i8(round_even(v * idv)), qi); /* integral: exact */
+            const qb q8 = __builtin_convertvector(qv, qb);
+            memcpy(q + g * GROUP + h, &q8, sizeof q8);
+            sums += qv;
         }
         int32_t sum = 0;
-        for (int i = 0; i < 16; i++) sum += sums[i];
+        for (int i = 0; i < QL; i++) sum += sums[i];
         x->dx[m * ng + g] = d;
         x->xs[m * ng + g] = d * (float)sum;
         x->corr[m * ng + g] = -128 * sum;
