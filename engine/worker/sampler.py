@@ -135,12 +135,14 @@ class Sampler:
         flat = [t for r in rows for t in (r.draft_token_ids or ())]
         if flat and (min(flat) < 0 or max(flat) >= vocab):  # checked on the host: no device sync
             raise ValueError(f"draft_token_ids must lie in [0, {vocab})")
-        drafts = torch.tensor(flat, dtype=torch.int64, device=dev)
         raw, logits = logits, prepare_logits(logits, rows)
         target = logits.argmax(dim=-1)
         rejection = [r.uses_rejection for r in rows]
-        target_probs = draft_probs = noise = None
-        uniforms = torch.zeros(drafts.numel(), dtype=torch.float32, device=dev)
+        any_rejection = any(rejection)
+        target_probs = draft_probs = noise = drafts = uniforms = None
+        if any_rejection:
+            drafts = torch.tensor(flat, dtype=torch.int64, device=dev)
+            uniforms = torch.zeros(drafts.numel(), dtype=torch.float32, device=dev)
         starts = _row_starts(num_drafts)
         random_rows = [i for i, r in enumerate(rows) if not r.is_greedy]
         if random_rows:
@@ -148,15 +150,35 @@ class Sampler:
             coupled = [i for i in random_rows if not rejection[i]]
             if coupled:
                 _race_targets(target, target_probs, rows, num_drafts, starts, coupled)
-            if any(rejection):
+            if any_rejection:
                 draft_probs = _flat_draft_probs(rows, drafts, vocab, dev)
                 noise = torch.ones(len(rows), vocab, dtype=torch.float32, device=dev)
                 _draw_rejection_randoms(rows, num_drafts, rejection, uniforms, noise)
-        is_greedy = torch.tensor([not x for x in rejection], dtype=torch.bool, device=dev)
-        out = rejection_sample(target_probs, target, drafts, torch.tensor(num_drafts, dtype=torch.int64, device=dev),
-                               draft_probs, is_greedy, uniforms, noise, max_num_draft_tokens=max(num_drafts))
-        token_ids = [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in out.tolist()]
+        if any_rejection:
+            is_greedy = torch.tensor([not x for x in rejection], dtype=torch.bool, device=dev)
+            out = rejection_sample(target_probs, target, drafts,
+                                   torch.tensor(num_drafts, dtype=torch.int64, device=dev),
+                                   draft_probs, is_greedy, uniforms, noise, max_num_draft_tokens=max(num_drafts))
+            token_ids = [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in out.tolist()]
+        else:
+            token_ids = _accept_matching(target.tolist(), rows, starts)
         return SamplerOutput(token_ids=token_ids, logprobs=_logprobs(raw, rows, starts, token_ids))
+
+
+def _accept_matching(target: list[int], rows: list[SamplingRow], starts: list[int]) -> list[list[int]]:
+    """What ``rejection_sample`` returns when no request uses rejection (greedy or coupled rows,
+    whose row targets are final): each request keeps its drafts up to the first that differs from
+    its row's target, then emits that row's target. On the host: a plain decode step (no drafts)
+    or an all-greedy verify then costs one ``tolist`` instead of the kernel's tensors (~0.2 ms a
+    step at batch 1 on the CPU)."""
+    out = []
+    for r, s in zip(rows, starts):
+        drafts = r.draft_token_ids or ()
+        n = 0
+        while n < len(drafts) and drafts[n] == target[s + n]:
+            n += 1
+        out.append([*drafts[:n], target[s + n]])
+    return out
 
 
 def _row_starts(num_drafts: list[int]) -> list[int]:
