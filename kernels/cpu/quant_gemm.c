@@ -199,7 +199,7 @@ void tb_rows_free(XRows *x) {
 /* out[m][n] (+)= x[m] . W[n] (+ bias[n]): threads quantize the rows of x, then split the
  * (MBLOCK rows x 16 columns) work items, rows outer: a decode (one row block) splits N, a long
  * prefill gives each thread whole row blocks, which stay in cache while all of W streams past
- * them once. Within an item, tiles of up to TILE_M rows. 0, or -1 when out of memory. */
+ * them once. Within an item, tiles of up to TILE_M rows, as even as possible. 0, or -1 when out of memory. */
 int tb_linear(const Lin *L, const float *x, int64_t m, int64_t k, int64_t n, float *out, int accumulate,
               int nthreads, XRows *scratch) {
     if (m <= 0) return 0;
@@ -223,10 +223,14 @@ int tb_linear(const Lin *L, const float *x, int64_t m, int64_t k, int64_t n, flo
             const int64_t mb = item / nblocks, b = item % nblocks;
             const int64_t m_end = (mb + 1) * MBLOCK < m ? (mb + 1) * MBLOCK : m;
             float res[TILE_M][NB];
-            for (int64_t m0 = mb * MBLOCK; m0 < m_end; m0 += TILE_M) {
-                const int rm = m_end - m0 < TILE_M ? (int)(m_end - m0) : TILE_M;
+            /* tiles as even as possible: 9 rows as 5 + 4, not 8 + 1 (whose 1-row tile re-streams
+             * the block for one row; a 9-row verify: forward 9.1 -> 7.9 ms at 1 thread, AVX-512) */
+            const int64_t mm = m_end - mb * MBLOCK, nt = (mm + TILE_M - 1) / TILE_M;
+            for (int64_t ti = 0, m0 = mb * MBLOCK; ti < nt; ti++) {
+                const int rm = (int)(mm / nt + (ti < mm % nt));
                 tiles[rm - 1](&rows, m0, L, b, res);
                 store_tile((const float(*)[NB])res, rm, L, m0, b, n, out, accumulate);
+                m0 += rm;
             }
         }
     }
