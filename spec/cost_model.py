@@ -116,12 +116,21 @@ def step_shape(sched) -> StepShape:
     return StepShape(requests, tokens, logit_rows, attention)
 
 
-def nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def nonnegative_least_squares(a: np.ndarray, b: np.ndarray, start: np.ndarray | None = None) -> np.ndarray:
     """argmin_{w >= 0} w'Aw - 2b'w for a positive definite A (Lawson-Hanson active set, on the
-    normal equations; exact, a handful of small solves for this many features)."""
+    normal equations; exact, a handful of small solves for this many features).
+
+    start: a guess of the features with w > 0 (the last fit's: the set rarely changes between
+    refits, and then one solve confirms it); used only if its solve is all positive, so the answer
+    is the same with or without it."""
     n = len(b)
     w = np.zeros(n)
     free = np.zeros(n, dtype=bool)
+    if start is not None and start.any():
+        idx = np.flatnonzero(start)
+        z = np.linalg.solve(a[np.ix_(idx, idx)], b[idx])
+        if np.all(z > 0):
+            w[idx], free[idx] = z, True
     tol = 1e-12 * max(float(np.max(np.abs(b))), 1e-300)
     for _ in range(3 * n + 10):
         grad = b - a @ w                      # descent direction of the objective (halved)
@@ -191,6 +200,8 @@ class StepCostModel:
         self._prior_precision = float(prior_weight) * typical ** 2
         self._a = np.zeros((nf, nf))
         self._b = np.zeros(nf)
+        self._pending: list[tuple[list[float], float]] = []  # (phi, clipped seconds) not yet in _a, _b
+        self._w_list: list[float] | None = None               # _w as floats, for the per-step prediction
         self.num_updates = 0
         self._w: np.ndarray | None = None
         self._stale = 0   # updates since the last refit
@@ -214,10 +225,28 @@ class StepCostModel:
     def refit(self) -> None:
         """Solve for w now: online evidence + the Gaussian prior around ``prior_weights``."""
         self._stale = 0
+        self._fold_pending()
         p = self._prior_precision
         a = self._a + np.diag(p)
         ridge = _RIDGE * max(float(np.max(np.diag(a))), 1e-30)
-        self._w = nonnegative_least_squares(a + ridge * np.eye(len(a)), self._b + p * self.prior_weights)
+        start = None if self._w is None else self._w > 0
+        self._w = nonnegative_least_squares(a + ridge * np.eye(len(a)), self._b + p * self.prior_weights, start)
+        self._w_list = self._w.tolist()
+
+    def _fold_pending(self) -> None:
+        """The updates since the last fold into the normal equations, in one batch: update i of n
+        is discounted by forget^(n - 1 - i) and the old evidence by forget^n, as one fold per
+        update would do."""
+        if not self._pending:
+            return
+        phi = np.array([f for f, _ in self._pending])
+        sec = np.array([s for _, s in self._pending])
+        n = len(sec)
+        disc = self.forget ** np.arange(n - 1, -1, -1, dtype=np.float64)
+        c = disc / (sec * sec)   # relative error, as _fold_into weighs one step
+        self._a = self._a * self.forget ** n + (phi * c[:, None]).T @ phi
+        self._b = self._b * self.forget ** n + (phi * (c * sec)[:, None]).sum(axis=0)
+        self._pending = []
 
     def coefficients(self) -> dict[str, float]:
         return {name: float(v) for name, v in zip(FEATURES, self.weights)}
@@ -254,22 +283,27 @@ class StepCostModel:
             raise ValueError(f"need finite seconds >= 0 and tokens >= 0, got {seconds}, {shape}")
         if shape.tokens == 0:
             return
-        pred = self.cost(shape)
+        # Plain floats here, numpy once per refit (_fold_pending): this runs every engine step, right
+        # after a forward has evicted numpy's code and data from the caches (~50 us a numpy call then).
+        if self._w_list is None or self._stale >= self.refit_every:
+            self.refit()
+        t = float(shape.tokens)
+        phi = [1.0, float(shape.requests), t, float(shape.logit_rows), float(shape.attention)] + [
+            t - k if t > k else 0.0 for k in HINGE_KNOTS]
+        pred = max(sum(x * w for x, w in zip(phi, self._w_list)), _MIN_COST)
         f = self.max_update_factor
-        s = min(max(float(seconds), pred / f), pred * f)
-        if self.forget < 1.0:
-            self._a *= self.forget
-            self._b *= self.forget
-        self._fold_into(self._a, self._b, shape.features(), s, 1.0)
+        self._pending.append((phi, min(max(float(seconds), pred / f), pred * f)))
         self.num_updates += 1
         self._stale += 1
 
     # ---- transactions (the controller snapshots around a step) ----
     def snapshot(self) -> tuple:
-        return (self._a.copy(), self._b.copy(), self.num_updates, self._w, self._stale)
+        return (self._a.copy(), self._b.copy(), list(self._pending), self.num_updates, self._w, self._w_list,
+                self._stale)
 
     def restore(self, saved: tuple) -> None:
-        self._a, self._b, self.num_updates, self._w, self._stale = saved
+        self._a, self._b, pending, self.num_updates, self._w, self._w_list, self._stale = saved
+        self._pending = list(pending)
 
     def __repr__(self) -> str:
         co = ", ".join(f"{k}={v:.3g}" for k, v in self.coefficients().items() if v > 0)

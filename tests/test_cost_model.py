@@ -105,7 +105,8 @@ def test_nnls_against_brute_force(n, data):
     x = rng.standard_normal((n + 3, n))
     a = x.T @ x + 1e-3 * np.eye(n)
     b = rng.standard_normal(n)
-    w = nonnegative_least_squares(a, b)
+    start = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    w = nonnegative_least_squares(a, b, start)  # a warm start (any guess) changes nothing
 
     def obj(v):
         return float(v @ a @ v - 2 * b @ v)
