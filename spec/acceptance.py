@@ -66,8 +66,9 @@ class AcceptanceEstimator:
         self.last_drafted_step = np.zeros(n, dtype=np.int64)
         self._slot: dict[str, int] = {}
         self._free: list[int] = list(range(n - 1, -1, -1))
-        self.global_succ = np.zeros(self.max_k)
-        self.global_trials = np.zeros(self.max_k)
+        self._global_succ = np.zeros(self.max_k)
+        self._global_trials = np.zeros(self.max_k)
+        self._pending_decays = 0  # decay_global calls not yet applied (applied on the next read)
 
     # ---- slots ----
     def __contains__(self, request_id: str) -> bool:
@@ -107,13 +108,14 @@ class AcceptanceEstimator:
 
     def snapshot(self) -> tuple:
         """What a step's ``decay_global`` and ``slots`` change (for ``restore`` if it fails)."""
-        return (self.global_succ.copy(), self.global_trials.copy(), dict(self._slot), list(self._free),
+        # the engine-wide arrays by reference: this class never changes them in place (it rebinds)
+        return (self._global_succ, self._global_trials, self._pending_decays, dict(self._slot), list(self._free),
                 len(self._succ))
 
     def restore(self, saved: tuple) -> None:
         """Back to ``saved``. Rows a failed step allocated return to the free list; their contents
         are irrelevant (a row is zeroed when it is handed out)."""
-        self.global_succ, self.global_trials, self._slot, self._free, n = saved
+        self._global_succ, self._global_trials, self._pending_decays, self._slot, self._free, n = saved
         if len(self._succ) != n:  # grown during the step: drop the new rows
             self._succ, self._trials = self._succ[:n].copy(), self._trials[:n].copy()
             self.last_drafted_step = self.last_drafted_step[:n].copy()
@@ -175,11 +177,42 @@ class AcceptanceEstimator:
         trials *= self.decay
         trials[:tested] += 1.0
         succ[:won] += 1.0
-        self.global_trials[:tested] += 1.0
-        self.global_succ[:won] += 1.0
+        gt, gs = self.global_trials.copy(), self.global_succ.copy()  # rebound, never changed in place
+        gt[:tested] += 1.0
+        gs[:won] += 1.0
+        self._global_trials, self._global_succ = gt, gs
 
     def decay_global(self) -> None:
-        """Discount engine-wide evidence once per engine step (reverts to the prior when idle)."""
-        if self.global_decay < 1.0:
-            self.global_succ *= self.global_decay
-            self.global_trials *= self.global_decay
+        """Discount engine-wide evidence once per engine step (reverts to the prior when idle).
+        Counted here and applied as one factor on the next read: a step where nobody drafts (most
+        steps of open chat) then costs no numpy call."""
+        self._pending_decays += 1
+
+    def _apply_decays(self) -> None:
+        if self._pending_decays and self.global_decay < 1.0:
+            f = self.global_decay ** self._pending_decays
+            self._global_succ = self._global_succ * f
+            self._global_trials = self._global_trials * f
+        self._pending_decays = 0
+
+    @property
+    def global_succ(self) -> np.ndarray:
+        """Engine-wide successes per position (decayed; the array itself, writable)."""
+        self._apply_decays()
+        return self._global_succ
+
+    @global_succ.setter
+    def global_succ(self, value: np.ndarray) -> None:
+        self._apply_decays()
+        self._global_succ = value
+
+    @property
+    def global_trials(self) -> np.ndarray:
+        """Engine-wide trials per position (decayed; the array itself, writable)."""
+        self._apply_decays()
+        return self._global_trials
+
+    @global_trials.setter
+    def global_trials(self, value: np.ndarray) -> None:
+        self._apply_decays()
+        self._global_trials = value

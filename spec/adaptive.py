@@ -203,8 +203,14 @@ class AdaptiveSpecController:
         if b == 0:
             self.last_plan = Plan([], 0.0, 0.0, 0.0)
             return []
+        if caps is not None and not any(caps):  # nothing to draft (no n-gram match): no choice, no numpy
+            if len(caps) != b:
+                raise ValueError(f"caps has {len(caps)} entries for {b} requests")
+            self.last_plan = Plan([0] * b, float(b), 0.0, 0.0)
+            self.k_histogram[0] = self.k_histogram.get(0, 0) + b
+            return self.last_plan.k
         cap = self.caps_for(requests, caps)
-        if not cap.any():                  # nothing to draft (e.g. no n-gram match): no choice
+        if not cap.any():                  # nothing to draft (every request capped at 0): no choice
             self.last_plan = Plan([0] * b, float(b), 0.0, 0.0)
             self.k_histogram[0] = self.k_histogram.get(0, 0) + b
             return self.last_plan.k
