@@ -4,7 +4,7 @@
 #include <immintrin.h>
 
 #define TB_VARIANT_NAME "avx_vnni"
-#define TILE_M 4
+#define TILE_M 8
 
 INLINE __m256i bcast4(const int8_t *p) {
     int32_t v;
@@ -15,11 +15,11 @@ INLINE __m256i bcast4(const int8_t *p) {
 INLINE void q4_tile(const XRows *x, int64_t m0, const int RM, const Lin *L, int64_t b, float (*res)[NB]) {
     const int64_t k = x->k, ng = k / GROUP;
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
-    __m256 acc[4][2];
+    __m256 acc[8][2];
     for (int i = 0; i < RM; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     const uint8_t *p = L->w + b * ng * Q4_REC;
     for (int64_t g = 0; g < ng; g++, p += Q4_REC) {
-        __m256i isum[4][2];
+        __m256i isum[8][2];
         for (int i = 0; i < RM; i++) isum[i][0] = isum[i][1] = _mm256_setzero_si256();
         for (int sb = 0; sb < 4; sb++) {
             for (int h = 0; h < 2; h++) {
@@ -51,11 +51,11 @@ INLINE void q4_tile(const XRows *x, int64_t m0, const int RM, const Lin *L, int6
 
 INLINE void q8_tile(const XRows *x, int64_t m0, const int RM, const Lin *L, int64_t b, float (*res)[NB]) {
     const int64_t k = x->k, ng = k / GROUP;
-    __m256 acc[4][2];
+    __m256 acc[8][2];
     for (int i = 0; i < RM; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     const uint8_t *p = L->w + b * ng * Q8_REC;
     for (int64_t g = 0; g < ng; g++, p += Q8_REC) {
-        __m256i isum[4][2];
+        __m256i isum[8][2];
         for (int i = 0; i < RM; i++) isum[i][0] = isum[i][1] = _mm256_set1_epi32(x->corr[(m0 + i) * ng + g]);
         for (int sb = 0; sb < 8; sb++) {
             const __m256i w0 = _mm256_loadu_si256((const __m256i *)(p + 64 * sb));
