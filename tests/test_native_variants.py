@@ -1,7 +1,7 @@
 """Which C kernel variant runs (kernels/cpu/native.py) and that the start-up line says so.
 
-``TOKENBUDGET_NATIVE``: unset takes the best SIMD variant the CPU executes (never the slower
-portable ``scalar``: torch's kernels instead), a name forces one, a bad name or a variant the CPU
+``TOKENBUDGET_NATIVE``: unset takes the best SIMD variant the CPU executes (without one: the
+portable ``scalar`` on x86, torch's kernels elsewhere), a name forces one, a bad name or a variant the CPU
 cannot execute is a ValueError naming the variable; the start-up line names the variant (before:
 "attention backend: torch_ref" although the C forward did the attention, and nothing about the
 kernels), or torch's kernels and why.
@@ -35,11 +35,14 @@ def test_a_variant_the_cpu_cannot_execute_is_refused_naming_what_is_missing(monk
         native.selected_variant()
 
 
-def test_auto_takes_the_best_simd_variant_and_never_the_scalar_one(monkeypatch):
+def test_auto_takes_the_best_simd_variant_and_scalar_only_on_x86(monkeypatch):
     monkeypatch.delenv("TOKENBUDGET_NATIVE", raising=False)
     best = native.runnable_variants()[0]
-    assert native.selected_variant() == (None if best == "scalar" else best)
+    assert native.selected_variant() == (None if best == "scalar" and native.machine() != "x86_64" else best)
     monkeypatch.setattr(native, "runnable_variants", lambda: ["scalar"])
+    monkeypatch.setattr(native, "machine", lambda: "x86_64")   # no AVX2: torch has no vector path either
+    assert native.selected_variant() == "scalar"
+    monkeypatch.setattr(native, "machine", lambda: "aarch64")  # no dot product: torch's NEON kernels
     assert native.selected_variant() is None
     assert "TOKENBUDGET_NATIVE=scalar" in native.unavailable_reason()
     monkeypatch.setenv("TOKENBUDGET_NATIVE", "0")

@@ -10,9 +10,11 @@ under ``$TOKENBUDGET_CACHE`` (default ``~/.cache/tokenbudget``)/native keyed by 
 flags and the compiler, and written atomically (concurrent first uses are safe).
 
 Which variant runs (``selected_variant``): ``TOKENBUDGET_NATIVE`` unset (or ``1``/``auto``) takes
-the first SIMD variant of ``VARIANTS`` this CPU can execute, and torch's kernels where there is
-none: the portable ``scalar`` variant (any CPU, any C compiler) is slower than torch's kernels
-(benches/RESULTS.md), so it runs only when named. A variant name forces it (``ValueError`` if the
+the first SIMD variant of ``VARIANTS`` this CPU can execute. Where there is none, an x86 CPU (no
+AVX2) takes the portable ``scalar`` variant: torch's quantized kernels have no vector path there
+either, and at that instruction set they ran 12x slower than ``scalar`` (benches/RESULTS.md,
+"Scalar fallback"); any other architecture keeps torch's kernels (their NEON code against ours
+without the dot-product extension is unmeasured). A variant name forces it (``ValueError`` if the
 name is unknown or the CPU lacks its instructions); ``0`` keeps torch's kernels. ``library()``
 returns None - and callers keep torch's kernels - for ``0``, when no C
 compiler is found or when the build fails (logged once; ``build_error`` says why).
@@ -150,7 +152,7 @@ def selected_variant() -> str | None:
         return None
     if want in ("", "1", "auto"):
         best = runnable_variants()[0]
-        return None if best == "scalar" else best
+        return None if best == "scalar" and machine() != "x86_64" else best
     if want not in BY_NAME:
         raise ValueError(f"{ENV}={want!r}: expected one of 0, auto, {', '.join(BY_NAME)}")
     lacks = missing(want)
