@@ -180,15 +180,3 @@ INLINE void attend_nd(const int64_t ND, const Dims *dm, const float *q, int64_t 
 #undef PV
     }
 }
-
-static void attend_rows(const Dims *dm, const float *q, int64_t qstride, int64_t nr, const int32_t *ctxs,
-                        const float *kv, const int32_t *blocks, int64_t g, float *scores, float *out,
-                        int64_t ostride) {
-    const int64_t nd = dm->d / LANES;
-    if (nd == 4)
-        attend_nd(4, dm, q, qstride, nr, ctxs, kv, blocks, g, scores, out, ostride);
-    else if (nd == 8)
-        attend_nd(8, dm, q, qstride, nr, ctxs, kv, blocks, g, scores, out, ostride);
-    else
-        attend_nd(nd, dm, q, qstride, nr, ctxs, kv, blocks, g, scores, out, ostride);
-}

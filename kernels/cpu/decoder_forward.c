@@ -78,6 +78,20 @@ typedef struct {
 #include "attention_portable.h"
 #endif
 
+/* attend_nd (the variant's header) with ND = D / 16 a constant for D = 64 and 128, so its loops over
+ * a key's 16-lane chunks unroll into registers; any other D runs the same code with ND a variable. */
+static void attend_rows(const Dims *dm, const float *q, int64_t qstride, int64_t nr, const int32_t *ctxs,
+                        const float *kv, const int32_t *blocks, int64_t g, float *scores, float *out,
+                        int64_t ostride) {
+    const int64_t nd = dm->d / LANES;
+    if (nd == 4)
+        attend_nd(4, dm, q, qstride, nr, ctxs, kv, blocks, g, scores, out, ostride);
+    else if (nd == 8)
+        attend_nd(8, dm, q, qstride, nr, ctxs, kv, blocks, g, scores, out, ostride);
+    else
+        attend_nd(nd, dm, q, qstride, nr, ctxs, kv, blocks, g, scores, out, ostride);
+}
+
 /* out = w * (x / sqrt(mean(x^2) + eps)), H a multiple of 16. */
 static void rms_norm_row(const float *x, const float *w, int64_t h, float eps, float *out) {
 #if defined(TB_AVX512_VNNI)
