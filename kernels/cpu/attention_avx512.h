@@ -6,7 +6,7 @@
  * so its outputs equal the portable forward's bitwise. */
 #include <immintrin.h>
 
-/* exp_poly in 16 lanes: the same operations. */
+/* exp_poly (attention_portable.h) in 16 lanes: the same operations. */
 INLINE __m512 exp16(__m512 x) {
     x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.3365447505531f));
     const __m512 big = _mm512_set1_ps(12582912.0f);

@@ -51,8 +51,10 @@ INLINE float sum16n(const vn *a) {
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
-/* exp_poly lane by lane: the same operations. */
-INLINE vn exp_polyn(vn x) {
+/* expf lane by lane (Cephes' polynomial, about 2 ulp), from IEEE multiplies and adds only: the same
+ * bits on every variant (attention_avx512.h's exp16 is these operations in intrinsics). x is clamped
+ * to [-87.33, 88]; 2^n is built in the exponent field. */
+INLINE vn exp_poly(vn x) {
     const vn hi = splat(88.0f), lo = splat(-87.3365447505531f);
     x = selectn(x > hi, hi, selectn(x < lo, lo, x));
     const vn n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
@@ -97,14 +99,14 @@ INLINE float softmax_lanes(float *s, int64_t ctx) {
     const vn mxs = splat(mx);
     for (p = 0; p + LANES <= ctx; p += LANES)
         for (int v = 0; v < NV; v++) {
-            const vn e = exp_polyn(loadn(s + p + VL * v) - mxs);
+            const vn e = exp_poly(loadn(s + p + VL * v) - mxs);
             storen(s + p + VL * v, e);
             sum[v] = sum[v] + e;
         }
     if (p < ctx) { /* the tail: its lanes only (adding +0 to the others leaves those sums as they are) */
         float tail[LANES] = {0};
         memcpy(tail, s + p, (ctx - p) * sizeof(float));
-        for (int v = 0; v < NV; v++) storen(tail + VL * v, exp_polyn(loadn(tail + VL * v) - mxs));
+        for (int v = 0; v < NV; v++) storen(tail + VL * v, exp_poly(loadn(tail + VL * v) - mxs));
         for (int64_t l = ctx - p; l < LANES; l++) tail[l] = 0.0f;
         memcpy(s + p, tail, (ctx - p) * sizeof(float));
         for (int v = 0; v < NV; v++) sum[v] = sum[v] + loadn(tail + VL * v);

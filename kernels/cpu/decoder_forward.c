@@ -34,27 +34,6 @@ INLINE float sum16(const float a[LANES]) {
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
-/* expf (Cephes' polynomial, about 2 ulp), from IEEE multiplies and adds only: the same bits on
- * every variant. x is clamped to [-87.33, 88]; 2^n is built in the exponent field. */
-INLINE float exp_poly(float x) {
-    x = x > 88.0f ? 88.0f : (x < -87.3365447505531f ? -87.3365447505531f : x);
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest even */
-    float r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + (r + 1.0f);
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
-}
-
-
 typedef struct {
     int64_t h, hq, hk, d, inter, bs, max_blocks;
     float eps, scale;
@@ -240,14 +219,9 @@ int tb_forward(const TbForward *a) {
                 _mm512_storeu_ps(ar + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_loadu_ps(ur + i)));
             }
 #else
-            int64_t i = 0;
-            for (; i + VL <= inter; i += VL) {
-                const vn gv = loadn(gr + i), sig = splat(1.0f) / (splat(1.0f) + exp_polyn(splat(0.0f) - gv));
+            for (int64_t i = 0; i < inter; i += VL) { /* inter: the down GEMM's K, a multiple of 32 */
+                const vn gv = loadn(gr + i), sig = splat(1.0f) / (splat(1.0f) + exp_poly(splat(0.0f) - gv));
                 storen(ar + i, (gv * sig) * loadn(ur + i));
-            }
-            for (; i < inter; i++) {
-                const float gv = gr[i], sig = 1.0f / (1.0f + exp_poly(0.0f - gv));
-                ar[i] = (gv * sig) * ur[i];
             }
 #endif
         }
