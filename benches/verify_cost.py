@@ -7,8 +7,10 @@ cached tokens, on the engine's own runner and model (the default model, C kernel
 
 M = 1 is a decode step; M = 1 + k verifies k drafts. The ratio M / 1 is what speculation must
 beat: a verify of k drafts pays when it commits more than (its cost / a decode's) tokens. The
-K/V the rows attend is whatever the pool holds (attention costs the same for any values), and
-the rows write their own K/V into blocks of the pool as a real step would.
+context's blocks are filled with random K/V first (the values do not change the arithmetic's cost,
+but pages of the pool never written would all be read as the kernel's one zero page, from cache,
+and make long contexts look ~3x cheaper than in a real engine), and the rows write their own K/V
+into blocks of the pool as a real step would.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ def forward_seconds(runner, rows: int, context: int, repeats: int) -> float:
     slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(context, n)], dtype=torch.int64)
     ids = torch.randint(0, 1000, (rows,))
     pos = torch.arange(context, n)
+    for kv in runner.kv_caches:  # real K/V in the context's blocks: pages never written all read as
+        kv[blocks[0]:blocks[-1] + 1].uniform_(-1.0, 1.0)  # the one zero page, from cache, not memory
     best = float("inf")
     for _ in range(repeats):
         md = runner.attn_backend.build_metadata([0, rows], [n], [blocks], slots)
