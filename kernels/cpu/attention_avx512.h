@@ -96,6 +96,8 @@ INLINE void pv_pass(const int64_t NP, const int64_t ND, const Dims *dm, const fl
         const float *vrow = kv + (((int64_t)blocks[b] * 2 + 1) * bs) * vstride + g * d;
         const int64_t pend = p0 + bs < hi ? p0 + bs : hi;
         for (int64_t p = p0; p < pend; p++, vrow += vstride) {
+            for (int64_t i = 0; i < ND; i++) /* 4 keys ahead (past a block's end: a harmless hint) */
+                _mm_prefetch((const char *)(vrow + 4 * vstride + LANES * i), _MM_HINT_T0);
             __m512 v[MAX_D / LANES];
             for (int64_t i = 0; i < ND; i++) v[i] = _mm512_loadu_ps(vrow + LANES * i);
             for (int64_t k = 0; k < NP; k++) {
@@ -125,6 +127,13 @@ INLINE void attend_nd(const int64_t ND, const Dims *dm, const float *q, int64_t 
         const float *keys[LANES]; /* the n keys' rows, walked block by block (no division per key) */
         for (int64_t i = 0, b = p0 / bs, off = p0 % bs; i < n; i++) {
             keys[i] = kv + ((int64_t)blocks[b] * 2 * bs + off) * hk * d + g * d;
+            if (++off == bs) off = 0, b++;
+        }
+        /* the next chunk's key rows on their way while these are scored: the blocks lie anywhere in the
+         * pool, and a long context's K/V (46 KB per token on the default model) is read from memory */
+        for (int64_t i = 0, b = (p0 + LANES) / bs, off = (p0 + LANES) % bs; i < LANES && p0 + LANES + i < cmax; i++) {
+            const float *nk = kv + ((int64_t)blocks[b] * 2 * bs + off) * hk * d + g * d;
+            for (int64_t e = 0; e < ND; e++) _mm_prefetch((const char *)(nk + LANES * e), _MM_HINT_T0);
             if (++off == bs) off = 0, b++;
         }
         for (int64_t r = 0; r < nr; r++) {

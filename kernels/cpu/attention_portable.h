@@ -124,12 +124,14 @@ INLINE void attend_nd(const int64_t ND, const Dims *dm, const float *q, int64_t 
     for (int64_t p0 = 0, b = 0; p0 < cmax; p0 += bs, b++) {
         const float *krow = kv + ((int64_t)blocks[b] * 2 * bs) * vstride + g * d;
         const int64_t pend = p0 + bs < cmax ? p0 + bs : cmax;
-        for (int64_t p = p0; p < pend; p++, krow += vstride)
+        for (int64_t p = p0; p < pend; p++, krow += vstride) {
+            for (int64_t e = 0; e < ND; e++) __builtin_prefetch(krow + 4 * vstride + LANES * e);
             for (int64_t r = 0; r < nr; r++) {
                 if (p >= ctxs[r]) continue;
                 for (int64_t j = 0; j < gsz; j++)
                     scores[(r * gsz + j) * cmax + p] = dotn(q + r * qstride + (g * gsz + j) * d, krow, ND) * dm->scale;
             }
+        }
     }
     /* per pair: softmax, then P @ V in key order (ND * NV accumulators in registers) */
     for (int64_t pr = 0; pr < nr * gsz; pr++) {
@@ -142,6 +144,7 @@ INLINE void attend_nd(const int64_t ND, const Dims *dm, const float *q, int64_t 
             const float *vrow = kv + (((int64_t)blocks[b] * 2 + 1) * bs) * vstride + g * d;
             const int64_t pend = p0 + bs < ctx ? p0 + bs : ctx;
             for (int64_t p = p0; p < pend; p++, vrow += vstride) {
+                for (int64_t e = 0; e < ND; e++) __builtin_prefetch(vrow + 4 * vstride + LANES * e);
                 const vn sp = splat(s[p]);
                 for (int64_t i = 0; i < ND * NV; i++) acc[i] = acc[i] + sp * loadn(vrow + VL * i);
             }
