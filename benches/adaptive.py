@@ -4,7 +4,9 @@ Cells: workload (code edit, summaries, QA over a passage, open chat, math) x bat
 threads x kernel path (our C kernels, or torch's with ``TOKENBUDGET_NATIVE=0``). In each cell the
 configurations (plain, ngram k = 2, 4, 8, ngram auto) run the same B prompts submitted together
 (``LLMEngine.add_request`` then ``step()`` until done), greedy, EOS honoured, prefix caching off
-(so every configuration pays the same prefill), one run each, in an order rotated per cell; below
+(so every configuration pays the same prefill), one run each (``--repeats R``: R rounds, each
+config once per round, the order rotated per round, the median of its rounds), in an order rotated
+per cell; below
 batch 4 a run is 4 // B such batches of distinct prompts back to back (one prompt is too short a
 run to time on a shared machine).
 tok/s = generated tokens / wall seconds of the run; "= plain" counts outputs equal to plain's. At
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -110,27 +113,37 @@ def worker(args) -> dict:
             rot += 1
             load0 = os.getloadavg()[0]
             runs = {}
-            for label in order:
-                engine.core.speculator = specs[label]
-                specs[label].stats.reset()
-                h0 = dict(ctrl.k_histogram)
-                gs = [engine_generate(llm, ids[i:i + b], args.max_tokens) for i in range(0, len(ids), b)]
-                st = specs[label].stats
-                n, sec = sum(g.num_tokens for g in gs), sum(g.total_s for g in gs)
-                dec_n = sum(g.num_tokens - len(g.token_ids) for g in gs)
-                dec_s = sum(g.decode_s for g in gs)
-                runs[label] = {"tokens": n, "seconds": sec, "tok_s": n / sec,
-                               "decode_tok_s": dec_n / dec_s if dec_s > 0 else float("nan"),
-                               "token_ids": [t for g in gs for t in g.token_ids], "draft_tokens": st.num_draft_tokens,
-                               "accepted": st.num_accepted_tokens}
-                if label == AUTO:
-                    runs[label]["chosen_k"] = {int(k): v - h0.get(k, 0) for k, v in ctrl.k_histogram.items()
-                                               if v - h0.get(k, 0)}
-            plain_ids = runs[PLAIN].pop("token_ids")
+            for rep in range(args.repeats):  # round robin: every config once per round, order rotated
+                for label in order[rep % len(order):] + order[:rep % len(order)]:
+                    engine.core.speculator = specs[label]
+                    specs[label].stats.reset()
+                    h0 = dict(ctrl.k_histogram)
+                    gs = [engine_generate(llm, ids[i:i + b], args.max_tokens) for i in range(0, len(ids), b)]
+                    st = specs[label].stats
+                    n, sec = sum(g.num_tokens for g in gs), sum(g.total_s for g in gs)
+                    dec_n = sum(g.num_tokens - len(g.token_ids) for g in gs)
+                    dec_s = sum(g.decode_s for g in gs)
+                    r = runs.setdefault(label, {"tok_s_runs": [], "decode_tok_s_runs": [], "draft_tokens": 0,
+                                                "accepted": 0, "token_ids_runs": []})
+                    r["tok_s_runs"].append(n / sec)
+                    r["decode_tok_s_runs"].append(dec_n / dec_s if dec_s > 0 else float("nan"))
+                    r["token_ids_runs"].append([t for g in gs for t in g.token_ids])
+                    r["draft_tokens"] += st.num_draft_tokens
+                    r["accepted"] += st.num_accepted_tokens
+                    if label == AUTO:
+                        ks = r.setdefault("chosen_k", {})
+                        for k, v in ctrl.k_histogram.items():
+                            if v - h0.get(k, 0):
+                                ks[int(k)] = ks.get(int(k), 0) + v - h0.get(k, 0)
+            for r in runs.values():  # a config's figure: the median of its rounds
+                r["tok_s"] = statistics.median(r["tok_s_runs"])
+                r["decode_tok_s"] = statistics.median(r["decode_tok_s_runs"])
+                r["token_ids"] = r.pop("token_ids_runs")
+            plain_ids = runs[PLAIN].pop("token_ids")[0]
             for label, r in runs.items():
-                if label != PLAIN:
-                    ids_l = r.pop("token_ids")
-                    r["equal_plain"] = sum(a == p for a, p in zip(ids_l, plain_ids))
+                if label != PLAIN:  # equal on every round
+                    rounds = r.pop("token_ids")
+                    r["equal_plain"] = min(sum(a == p for a, p in zip(ids_l, plain_ids)) for ids_l in rounds)
             cell = {"workload": workload, "batch": b, "batches": groups, "threads": args.threads,
                     "kernels": args.kernels, "native_forward": native, "load_start": load0,
                     "load_end": os.getloadavg()[0], "prompt_tokens": sum(len(i) for i in ids), "runs": runs}
@@ -167,6 +180,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--method", default="ngram", choices=["ngram", "suffix"])
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds per cell (every config once per round, order rotated); tok/s = the median")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", action="store_true", help="write the section into benches/RESULTS.md")
     ap.add_argument("--figure", action="store_true", help="write benches/figures/adaptive_sweep.png")
@@ -192,6 +207,7 @@ def main(argv=None) -> dict:
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--threads", str(threads),
                    "--kernels", kernels, "--out", out, "--max-tokens", str(args.max_tokens),
                    "--max-prompt-tokens", str(args.max_prompt_tokens), "--method", args.method,
+                   "--repeats", str(args.repeats),
                    "--workloads", *args.workloads, "--batch-sizes", *map(str, args.batch_sizes),
                    "--ks", *map(str, args.ks)]
             env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENBUDGET_NATIVE="0" if kernels == "torch" else "1")
