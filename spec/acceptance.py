@@ -201,18 +201,9 @@ class AcceptanceEstimator:
         self._apply_decays()
         return self._global_succ
 
-    @global_succ.setter
-    def global_succ(self, value: np.ndarray) -> None:
-        self._apply_decays()
-        self._global_succ = value
-
     @property
     def global_trials(self) -> np.ndarray:
         """Engine-wide trials per position (decayed; the array itself, writable)."""
         self._apply_decays()
         return self._global_trials
 
-    @global_trials.setter
-    def global_trials(self, value: np.ndarray) -> None:
-        self._apply_decays()
-        self._global_trials = value
