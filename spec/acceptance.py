@@ -28,21 +28,33 @@ Staleness (why estimates recover after a request stops drafting):
   (``decay_global``), so when nobody drafts for a while the engine-wide figure reverts to the
   configured prior — which lets the controller start probing again (see ``spec.adaptive``).
 
-Storage is slot-based (one row of a 2-D numpy array per live request) so the controller can
-gather a whole batch's estimates with one fancy index; ``forget`` frees the row.
+Storage is plain Python lists (one ``Evidence`` per live request, ``max_k`` floats each): the
+controller reads and writes a handful of numbers per request per step, right after a forward has
+evicted numpy's code from the caches, where one numpy call costs more than the whole update in
+lists (figures: benches/RESULTS.md, "Controller overhead").
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
-import numpy as np
+
+@dataclass(slots=True)
+class Evidence:
+    """One request's decayed successes and trials per position, and the engine step of its last
+    verify that had drafts (``spec.adaptive``'s probing reads it)."""
+
+    succ: list[float]
+    trials: list[float]
+    last_drafted_step: int
 
 
 class AcceptanceEstimator:
     def __init__(self, max_k: int, *, prior_alpha: float = 1.0, prior_beta: float = 1.0,
                  prior_strength: float = 2.0, decay: float = 0.95,
-                 global_decay: float = 0.99, initial_slots: int = 64) -> None:
+                 global_decay: float = 0.99) -> None:
         if max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {max_k}")
         if prior_alpha <= 0 or prior_beta <= 0:
@@ -59,81 +71,56 @@ class AcceptanceEstimator:
         self.prior_strength = float(prior_strength)
         self.decay = float(decay)
         self.global_decay = float(global_decay)
-        n = max(1, int(initial_slots))
-        self._succ = np.zeros((n, self.max_k))
-        self._trials = np.zeros((n, self.max_k))
-        # Controller bookkeeping per slot: engine step of the last verify that had drafts.
-        self.last_drafted_step = np.zeros(n, dtype=np.int64)
-        self._slot: dict[str, int] = {}
-        self._free: list[int] = list(range(n - 1, -1, -1))
-        self._global_succ = np.zeros(self.max_k)
-        self._global_trials = np.zeros(self.max_k)
+        self._rows: dict[str, Evidence] = {}
+        # Engine-wide evidence: rebound on every change, never changed in place (snapshots hold
+        # references), except by the tests that write through the getters.
+        self._global_succ = [0.0] * self.max_k
+        self._global_trials = [0.0] * self.max_k
         self._pending_decays = 0  # decay_global calls not yet applied (applied on the next read)
 
-    # ---- slots ----
+    # ---- requests ----
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._slot
+        return request_id in self._rows
 
     def __len__(self) -> int:
-        return len(self._slot)
+        return len(self._rows)
 
-    def slot(self, request_id: str, step: int = 0) -> int:
-        """The row of ``request_id``, created (at the engine-wide prior) on first use."""
-        s = self._slot.get(request_id)
-        if s is None:
-            if not self._free:
-                self._grow()
-            s = self._free.pop()
-            self._succ[s] = 0.0
-            self._trials[s] = 0.0
-            self.last_drafted_step[s] = step
-            self._slot[request_id] = s
-        return s
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rows)
 
-    def slots(self, request_ids: Sequence[str], step: int = 0) -> np.ndarray:
-        get = self._slot.get
-        out = np.fromiter((get(r, -1) for r in request_ids), dtype=np.int64,
-                          count=len(request_ids))
-        for i in np.flatnonzero(out < 0):
-            out[i] = self.slot(request_ids[i], step)
-        return out
+    def row(self, request_id: str, step: int = 0) -> Evidence:
+        """The evidence of ``request_id``, created empty (at the engine-wide prior) on first use."""
+        e = self._rows.get(request_id)
+        if e is None:
+            e = self._rows[request_id] = Evidence([0.0] * self.max_k, [0.0] * self.max_k, step)
+        return e
 
-    def _grow(self) -> None:
-        n = len(self._succ)
-        self._succ = np.concatenate([self._succ, np.zeros_like(self._succ)])
-        self._trials = np.concatenate([self._trials, np.zeros_like(self._trials)])
-        self.last_drafted_step = np.concatenate(
-            [self.last_drafted_step, np.zeros_like(self.last_drafted_step)])
-        self._free.extend(range(2 * n - 1, n - 1, -1))
+    def rows(self, request_ids: Sequence[str], step: int = 0) -> list[Evidence]:
+        get = self._rows.get
+        return [get(r) or self.row(r, step) for r in request_ids]
 
     def snapshot(self) -> tuple:
-        """What a step's ``decay_global`` and ``slots`` change (for ``restore`` if it fails)."""
-        # the engine-wide arrays by reference: this class never changes them in place (it rebinds)
-        return (self._global_succ, self._global_trials, self._pending_decays, dict(self._slot), list(self._free),
-                len(self._succ))
+        """What a step's ``decay_global`` and ``rows`` change (for ``restore`` if it fails); the
+        rows themselves change only in ``observe``, after a step has committed."""
+        return self._global_succ, self._global_trials, self._pending_decays, dict(self._rows)
 
     def restore(self, saved: tuple) -> None:
-        """Back to ``saved``. Rows a failed step allocated return to the free list; their contents
-        are irrelevant (a row is zeroed when it is handed out)."""
-        self._global_succ, self._global_trials, self._pending_decays, self._slot, self._free, n = saved
-        if len(self._succ) != n:  # grown during the step: drop the new rows
-            self._succ, self._trials = self._succ[:n].copy(), self._trials[:n].copy()
-            self.last_drafted_step = self.last_drafted_step[:n].copy()
+        """Back to ``saved``: rows a failed step created are dropped."""
+        self._global_succ, self._global_trials, self._pending_decays, self._rows = saved
 
     def forget(self, request_id: str) -> None:
         """Drop a finished/aborted request's evidence (its engine-wide share stays)."""
-        s = self._slot.pop(request_id, None)
-        if s is not None:
-            self._free.append(s)
+        self._rows.pop(request_id, None)
 
     # ---- estimates ----
-    def global_probs(self) -> np.ndarray:
-        """Engine-wide p_j per position (shape [max_k]); see the module docstring."""
+    def global_probs(self) -> list[float]:
+        """Engine-wide p_j per position (``max_k`` floats); see the module docstring."""
         n0 = self.prior_alpha + self.prior_beta
-        out = np.empty(self.max_k)
+        out = []
         prev = self.prior_alpha / n0
-        for j, (sj, nj) in enumerate(zip(self.global_succ.tolist(), self.global_trials.tolist())):
-            prev = out[j] = (n0 * prev + sj) / (n0 + nj)
+        for sj, nj in zip(self.global_succ, self.global_trials):
+            prev = (n0 * prev + sj) / (n0 + nj)
+            out.append(prev)
         return out
 
     def first_position_upper(self) -> float:
@@ -141,21 +128,21 @@ class AcceptanceEstimator:
         for a probe. With little evidence (start-up, or evidence decayed while nobody drafted)
         it is well above the mean, so a probe is tried where drafts might pay; as probes add
         evidence it shrinks to the mean, so probing stops where they do not."""
-        a = self.prior_alpha + float(self.global_succ[0])
-        b = self.prior_beta + float(self.global_trials[0] - self.global_succ[0])
+        a = self.prior_alpha + self.global_succ[0]
+        b = self.prior_beta + self.global_trials[0] - self.global_succ[0]
         n = a + b
-        return min(1.0, a / n + float(np.sqrt(a * b / (n * n * (n + 1.0)))))
+        return min(1.0, a / n + math.sqrt(a * b / (n * n * (n + 1.0))))
 
-    def probs(self, slots: np.ndarray) -> np.ndarray:
-        """a_{r,j} for the given rows (shape [len(slots), max_k]), each in (0, 1)."""
+    def probs(self, rows: Sequence[Evidence]) -> list[list[float]]:
+        """a_{r,j} for the given rows (``max_k`` floats each, in (0, 1))."""
         s = self.prior_strength
-        return (s * self.global_probs() + self._succ[slots]) / (s + self._trials[slots])
+        prior = [s * p for p in self.global_probs()]
+        return [[(ps + sj) / (s + nj) for ps, sj, nj in zip(prior, e.succ, e.trials)] for e in rows]
 
     def estimate(self, request_id: str) -> list[float]:
-        """a_{r,j} of one request (the engine-wide prior if it has no row)."""
-        if request_id not in self._slot:
-            return self.global_probs().tolist()
-        return self.probs(np.array([self._slot[request_id]]))[0].tolist()
+        """a_{r,j} of one request (the engine-wide prior if it has no evidence)."""
+        e = self._rows.get(request_id)
+        return self.global_probs() if e is None else self.probs([e])[0]
 
     # ---- evidence ----
     def observe(self, request_id: str, num_draft: int, num_accepted: int, step: int = 0) -> None:
@@ -168,42 +155,37 @@ class AcceptanceEstimator:
                              f"{num_draft}")
         if num_draft == 0:
             return
-        s = self.slot(request_id, step)
-        self.last_drafted_step[s] = step
+        e = self.row(request_id, step)
+        e.last_drafted_step = step
         tested = min(num_draft, num_accepted + 1, self.max_k)
         won = min(num_accepted, self.max_k)
-        succ, trials = self._succ[s], self._trials[s]
-        succ *= self.decay
-        trials *= self.decay
-        trials[:tested] += 1.0
-        succ[:won] += 1.0
-        gt, gs = self.global_trials.copy(), self.global_succ.copy()  # rebound, never changed in place
-        gt[:tested] += 1.0
-        gs[:won] += 1.0
-        self._global_trials, self._global_succ = gt, gs
+        d = self.decay
+        e.succ = [x * d + (j < won) for j, x in enumerate(e.succ)]
+        e.trials = [x * d + (j < tested) for j, x in enumerate(e.trials)]
+        self._global_succ = [x + (j < won) for j, x in enumerate(self.global_succ)]
+        self._global_trials = [x + (j < tested) for j, x in enumerate(self.global_trials)]
 
     def decay_global(self) -> None:
         """Discount engine-wide evidence once per engine step (reverts to the prior when idle).
         Counted here and applied as one factor on the next read: a step where nobody drafts (most
-        steps of open chat) then costs no numpy call."""
+        steps of open chat) then costs nothing here."""
         self._pending_decays += 1
 
     def _apply_decays(self) -> None:
         if self._pending_decays and self.global_decay < 1.0:
             f = self.global_decay ** self._pending_decays
-            self._global_succ = self._global_succ * f
-            self._global_trials = self._global_trials * f
+            self._global_succ = [x * f for x in self._global_succ]
+            self._global_trials = [x * f for x in self._global_trials]
         self._pending_decays = 0
 
     @property
-    def global_succ(self) -> np.ndarray:
-        """Engine-wide successes per position (decayed; the array itself, writable)."""
+    def global_succ(self) -> list[float]:
+        """Engine-wide successes per position (decayed; the list itself, writable)."""
         self._apply_decays()
         return self._global_succ
 
     @property
-    def global_trials(self) -> np.ndarray:
-        """Engine-wide trials per position (decayed; the array itself, writable)."""
+    def global_trials(self) -> list[float]:
+        """Engine-wide trials per position (decayed; the list itself, writable)."""
         self._apply_decays()
         return self._global_trials
-

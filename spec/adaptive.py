@@ -50,17 +50,15 @@ with the step's shape and measured seconds after the commit, ``forget`` when a r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
-import numpy as np
-
 from tokenbudget.scheduler.request import Request
-from tokenbudget.spec.acceptance import AcceptanceEstimator
+from tokenbudget.spec.acceptance import AcceptanceEstimator, Evidence
 from tokenbudget.spec.cost_model import StepCostModel, StepShape
 
-CurveFn = Callable[[np.ndarray], np.ndarray]
 _EMPTY = StepShape(0, 0, 0, 0.0)
 
 
@@ -75,49 +73,55 @@ class Plan:
     num_probes: int = 0
 
 
-def expected_tokens(accept_probs: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """E_i(k_i) = 1 + sum_{j<k_i} prod_{l<=j} a_{i,l} for each row."""
-    m = np.cumprod(accept_probs, axis=1)
-    mask = np.arange(m.shape[1])[None, :] < np.asarray(k)[:, None]
-    return 1.0 + (m * mask).sum(axis=1)
-
-
-def optimal_draft_lengths(accept_probs: np.ndarray, caps: np.ndarray, curve: CurveFn,
-                          row_costs: np.ndarray | None = None, max_rounds: int = 64
-                          ) -> tuple[np.ndarray, float, float]:
+def optimal_draft_lengths(accept_probs: Sequence[Sequence[float]], caps: Sequence[int],
+                          step_costs: Sequence[float],
+                          row_costs: Sequence[Sequence[float]] | None = None, max_rounds: int = 64
+                          ) -> tuple[list[int], float, float]:
     """Exact maximiser of R(k) (module docstring). Returns (k, numerator, denominator).
 
-    accept_probs: [B, K] conditional acceptance probabilities in [0, 1].
-    caps: [B] upper bounds on k_i (clipped to [0, K]).
-    curve: g(D) for an int array of total drafts D (vectorised, > 0).
-    row_costs: [B, K] c_{i,j} >= 0, non-decreasing along each row (None: all 0).
+    accept_probs: per request, conditional acceptance probabilities a_{i,j} in [0, 1].
+    caps: per request, an upper bound on k_i (clipped to [0, len(accept_probs[i])]).
+    step_costs: g(D) for D = 0 .. sum of the caps (> 0).
+    row_costs: per request, c_{i,j} >= 0 for j < cap_i, non-decreasing in j (None: all 0).
+
+    Plain Python: the candidates are at most B * max_k numbers and this runs every step (see
+    ``spec.acceptance`` on why not numpy).
     """
-    a = np.asarray(accept_probs, dtype=np.float64)
-    b, kmax = a.shape
-    caps = np.minimum(np.maximum(np.asarray(caps, dtype=np.int64), 0), kmax)
-    marg = np.cumprod(a, axis=1)
-    valid = np.arange(kmax)[None, :] < caps[:, None]
-    rows = np.nonzero(valid)[0]
-    gains = marg[valid]                               # row-major: lower position first per row
-    costs = np.zeros_like(gains) if row_costs is None else np.asarray(row_costs, np.float64)[valid]
-    g = np.asarray(curve(np.arange(len(gains) + 1)), dtype=np.float64)
-    if np.any(g <= 0) or np.any(costs < 0):
+    b = len(caps)
+    gains: list[float] = []   # row-major: lower position first per row
+    costs: list[float] = []
+    owner: list[int] = []
+    for i, (row, cap) in enumerate(zip(accept_probs, caps)):
+        rc = None if row_costs is None else row_costs[i]
+        m = 1.0
+        for j in range(max(0, min(int(cap), len(row)))):
+            m *= float(row[j])
+            gains.append(m)
+            costs.append(0.0 if rc is None else float(rc[j]))
+            owner.append(i)
+    n = len(gains)
+    g = [float(x) for x in step_costs[:n + 1]]
+    if len(g) < n + 1:
+        raise ValueError(f"step_costs has {len(g)} entries, need {n + 1}")
+    if min(g) <= 0 or (costs and min(costs) < 0):
         raise ValueError("step cost must be > 0 and draft costs >= 0")
-    sel = np.zeros(0, dtype=np.int64)
-    num, den = float(b), float(g[0])
-    for _ in range(max_rounds):
+    sel: list[int] = []
+    num, den = float(b), g[0]
+    for _ in range(max_rounds if n else 0):
         lam = num / den
-        v = gains - lam * costs
-        order = np.argsort(-v, kind="stable")        # stable: ties keep the lower position first
-        f = np.concatenate(([0.0], np.cumsum(v[order]))) - lam * g
-        d = int(np.argmax(f))                         # first maximum: the smallest D
+        v = [x - lam * c for x, c in zip(gains, costs)]
+        order = sorted(range(n), key=v.__getitem__, reverse=True)  # stable: ties keep the lower position
+        f = [-lam * g[0]] + [a - lam * gt for a, gt in zip(accumulate([v[o] for o in order]), g[1:])]
+        d = max(range(n + 1), key=f.__getitem__)      # the first maximum: the smallest D
         cand = order[:d]
-        cnum = b + float(gains[cand].sum())
-        cden = float(g[d] + costs[cand].sum())
+        cnum = b + sum(gains[o] for o in cand)
+        cden = g[d] + sum(costs[o] for o in cand)
         if cnum / cden <= lam * (1.0 + 1e-12):
             break
         sel, num, den = cand, cnum, cden
-    k = np.bincount(rows[sel], minlength=b)
+    k = [0] * b
+    for o in sel:
+        k[owner[o]] += 1
     return k, num, den
 
 
@@ -156,36 +160,33 @@ class AdaptiveSpecController:
         return cls(config.max_spec_tokens, cost_model, **kwargs)
 
     # ---- the per-step decision ----
-    def caps_for(self, requests: Sequence[Request], caps: Sequence[int] | None = None
-                 ) -> np.ndarray:
-        """min(max_k, Request.max_spec_tokens, caps[i]) per request."""
-        out = np.fromiter((self.max_k if r.max_spec_tokens is None else r.max_spec_tokens
-                           for r in requests), dtype=np.int64, count=len(requests))
+    def caps_for(self, requests: Sequence[Request], caps: Sequence[int] | None = None) -> list[int]:
+        """min(max_k, Request.max_spec_tokens, caps[i]) per request, >= 0."""
+        kmax = self.max_k
+        out = [kmax if r.max_spec_tokens is None else min(kmax, r.max_spec_tokens) for r in requests]
         if caps is not None:
             if len(caps) != len(requests):
                 raise ValueError(f"caps has {len(caps)} entries for {len(requests)} requests")
-            out = np.minimum(out, np.asarray(caps, dtype=np.int64))
-        return np.minimum(np.maximum(out, 0), self.max_k)
+            out = [min(a, int(c)) for a, c in zip(out, caps)]
+        return [a if a > 0 else 0 for a in out]
 
-    def step_costs(self, requests: Sequence[Request], base: StepShape = _EMPTY
-                   ) -> tuple[CurveFn, np.ndarray]:
-        """g(D) and c_{i,j} for these decoding requests on top of ``base`` (module docstring).
+    def step_costs(self, requests: Sequence[Request], base: StepShape = _EMPTY,
+                   max_drafts: int | None = None) -> tuple[list[float], list[list[float]]]:
+        """g(D) for D = 0..max_drafts (default B * max_k) and c_{i,j} for j < max_k, for these
+        decoding requests on top of ``base`` (module docstring).
 
         Request i decodes one row after ``num_computed_tokens`` cached tokens; its draft j is the
         row after that and attends ``context + j + 2`` keys."""
-        ctx = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.float64,
-                          count=len(requests))
+        ctx = [r.num_computed_tokens for r in requests]
         b = len(requests)
-        decode_keys = float(ctx.sum() + b) / 1000.0          # request_attention(ctx, 1) each
+        decode_keys = (sum(ctx) + b) / 1000.0          # request_attention(ctx, 1) each
         zero = StepShape(base.requests + b, base.tokens + b, base.logit_rows + b,
                          base.attention + decode_keys)
         model = self.cost_model
-
-        def curve(d: np.ndarray) -> np.ndarray:
-            return model.token_curve(zero, d)
-        j = np.arange(self.max_k, dtype=np.float64)
-        row_costs = model.attention_weight * (ctx[:, None] + j[None, :] + 2.0) / 1000.0
-        return curve, row_costs
+        g = model.token_curve(zero, b * self.max_k if max_drafts is None else max_drafts)
+        w = model.attention_weight / 1000.0
+        span = range(2, self.max_k + 2)
+        return g, [[w * (c + j) for j in span] for c in ctx]
 
     def choose(self, requests: Sequence[Request], base: StepShape | None = None,
                caps: Sequence[int] | None = None) -> list[int]:
@@ -200,54 +201,50 @@ class AdaptiveSpecController:
         self.step += 1
         self.acceptance.decay_global()
         b = len(requests)
-        if b == 0:
-            self.last_plan = Plan([], 0.0, 0.0, 0.0)
-            return []
-        if caps is not None and not any(caps):  # nothing to draft (no n-gram match): no choice, no numpy
-            if len(caps) != b:
-                raise ValueError(f"caps has {len(caps)} entries for {b} requests")
-            self.last_plan = Plan([0] * b, float(b), 0.0, 0.0)
-            self.k_histogram[0] = self.k_histogram.get(0, 0) + b
-            return self.last_plan.k
         cap = self.caps_for(requests, caps)
-        if not cap.any():                  # nothing to draft (every request capped at 0): no choice
-            self.last_plan = Plan([0] * b, float(b), 0.0, 0.0)
-            self.k_histogram[0] = self.k_histogram.get(0, 0) + b
-            return self.last_plan.k
-        slots = self.acceptance.slots([r.request_id for r in requests], self.step)
-        probs = self.acceptance.probs(slots)
-        curve, row_costs = self.step_costs(requests, base)
-        k, num, den = optimal_draft_lengths(probs, cap, curve, row_costs)
-        n_probes, num, den = self._add_probes(k, cap, slots, num, den, curve, row_costs)
-        self.last_plan = Plan(k.tolist(), num, den, num / den, n_probes)
         hist = self.k_histogram
-        for kv in self.last_plan.k:
+        if not any(cap):   # nothing to draft (no n-gram match, every request capped at 0): no choice
+            self.last_plan = Plan([0] * b, float(b), 0.0, 0.0)
+            if b:
+                hist[0] = hist.get(0, 0) + b
+            return self.last_plan.k
+        rows = self.acceptance.rows([r.request_id for r in requests], self.step)
+        g, row_costs = self.step_costs(requests, base, sum(cap))
+        k, num, den = optimal_draft_lengths(self.acceptance.probs(rows), cap, g, row_costs)
+        n_probes, num, den = self._add_probes(k, cap, rows, num, den, g, row_costs)
+        self.last_plan = Plan(k, num, den, num / den, n_probes)
+        for kv in k:
             hist[kv] = hist.get(kv, 0) + 1
-        return self.last_plan.k
+        return k
 
-    def _add_probes(self, k: np.ndarray, cap: np.ndarray, slots: np.ndarray, num: float,
-                    den: float, curve: CurveFn, row_costs: np.ndarray) -> tuple[int, float, float]:
+    def _add_probes(self, k: list[int], cap: list[int], rows: list[Evidence], num: float,
+                    den: float, g: list[float], row_costs: list[list[float]]
+                    ) -> tuple[int, float, float]:
         """Give k=1 to the overdue idle requests worth probing (modifies ``k``); returns their
         number and the plan's new numerator and denominator."""
         if self.probe_interval == 0:
             return 0, num, den
-        idle = self.step - self.acceptance.last_drafted_step[slots]
-        cand = np.flatnonzero((k == 0) & (cap >= 1) & (idle >= self.probe_interval))
-        if len(cand) == 0:
+        step, interval = self.step, self.probe_interval
+        idle = [(step - e.last_drafted_step, i) for i, e in enumerate(rows)
+                if k[i] == 0 and cap[i] >= 1 and step - e.last_drafted_step >= interval]
+        if not idle:
             return 0, num, den
-        cand = cand[np.argsort(-idle[cand], kind="stable")]
-        p0 = float(self.acceptance.global_probs()[0])
+        idle.sort(key=lambda t: -t[0])               # most overdue first (stable)
+        p0 = self.acceptance.global_probs()[0]
         hope = self.acceptance.first_position_upper()   # decide optimistically, report the mean
-        d0 = int(k.sum())
-        m = np.arange(len(cand) + 1)
-        lin = den - float(curve(np.array([d0]))[0])
-        dens = curve(d0 + m) + lin + np.concatenate(([0.0], np.cumsum(row_costs[cand, 0])))
-        ratio = (num + hope * m) / dens
-        n = int(np.argmax(ratio))
-        if n:
-            k[cand[:n]] = 1
-            self.num_probes += n
-        return n, num + p0 * n, float(dens[n])
+        d0 = sum(k)
+        lin = den - g[d0]
+        best, n, extra = num / den, 0, 0.0
+        for m, (_, i) in enumerate(idle, 1):
+            extra += row_costs[i][0]
+            r = (num + hope * m) / (g[d0 + m] + lin + extra)
+            if r > best:
+                best, n = r, m
+        for _, i in idle[:n]:
+            k[i] = 1
+        self.num_probes += n
+        dens = g[d0 + n] + lin + sum(row_costs[i][0] for _, i in idle[:n])
+        return n, num + p0 * n, dens
 
     # ---- transactions ----
     def snapshot(self) -> tuple:

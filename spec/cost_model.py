@@ -47,6 +47,7 @@ its optimiser price each candidate draft (``spec.adaptive``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -72,16 +73,6 @@ class StepShape:
         t = float(self.tokens)
         return np.array([1.0, float(self.requests), t, float(self.logit_rows), float(self.attention)]
                         + [t - k if t > k else 0.0 for k in HINGE_KNOTS])
-
-
-def features(requests, tokens, logit_rows, attention) -> np.ndarray:
-    """phi for scalars (shape [F]) or equal-length arrays (shape [N, F])."""
-    t = np.asarray(tokens, dtype=np.float64)
-    cols = [np.ones_like(t), np.asarray(requests, dtype=np.float64) + 0 * t, t,
-            np.asarray(logit_rows, dtype=np.float64) + 0 * t,
-            np.asarray(attention, dtype=np.float64) + 0 * t]
-    cols += [np.maximum(t - k, 0.0) for k in HINGE_KNOTS]
-    return np.stack(cols, axis=-1)
 
 
 def default_grid(max_tokens: int) -> list[int]:
@@ -165,7 +156,7 @@ class StepCostModel:
 
     def __init__(self, prior: Iterable[tuple[StepShape, float]], *, forget: float = 0.99,
                  prior_weight: float = 2.0, max_update_factor: float = 3.0,
-                 refit_every: int = 8) -> None:
+                 refit_every: int = 32) -> None:
         prior = list(prior)
         if not prior:
             raise ValueError("need at least one (StepShape, seconds) prior measurement")
@@ -216,8 +207,9 @@ class StepCostModel:
     @property
     def weights(self) -> np.ndarray:
         """Current w (seconds per unit of each feature in ``FEATURES``). Refitted after every
-        ``refit_every`` updates (a fit costs about as much as a choice of drafts; the weights move
-        slowly), at once on demand through ``refit``."""
+        ``refit_every`` updates (a fit, ~0.2 ms of small numpy calls, costs about ten choices of
+        drafts; the weights move over ~1 / (1 - forget) steps anyway), at once on demand through
+        ``refit``."""
         if self._w is None or self._stale >= self.refit_every:
             self.refit()
         return self._w
@@ -255,42 +247,48 @@ class StepCostModel:
     def cost(self, shape: StepShape) -> float:
         return max(float(shape.features() @ self.weights), _MIN_COST)
 
-    def cost_of(self, requests, tokens, logit_rows, attention) -> np.ndarray:
-        """Vectorised cost over arrays of the shape's fields."""
-        return np.maximum(features(requests, tokens, logit_rows, attention) @ self.weights, _MIN_COST)
-
-    def token_curve(self, base: StepShape, extra_rows: np.ndarray) -> np.ndarray:
-        """Cost of ``base`` plus ``extra_rows`` decode/verify rows of *no* attention cost (the
-        per-row part that depends only on the row count; the attention part is per request)."""
-        w = self.weights
-        d = np.asarray(extra_rows, dtype=np.float64)
-        t = base.tokens + d
-        y = float(base.features() @ w) + (w[2] + w[3]) * d
-        for i, k in enumerate(HINGE_KNOTS):
-            if w[5 + i] > 0:
-                y = y + w[5 + i] * (np.maximum(t - k, 0.0) - max(base.tokens - k, 0))
-        return np.maximum(y, _MIN_COST)
+    def token_curve(self, base: StepShape, n: int) -> list[float]:
+        """Cost of ``base`` plus d = 0..n decode/verify rows of *no* attention cost (the per-row
+        part that depends only on the row count; the attention part is per request). Plain
+        floats: the controller calls this every step (see ``update``)."""
+        w = self._current()
+        t0 = base.tokens
+        phi = [1.0, float(base.requests), float(t0), float(base.logit_rows), float(base.attention)] + [
+            t0 - k if t0 > k else 0.0 for k in HINGE_KNOTS]
+        y0 = sum(x * wf for x, wf in zip(phi, w))
+        slope = w[2] + w[3]
+        out = [y0 + slope * d for d in range(n + 1)]
+        for wk, k, h0 in zip(w[5:], HINGE_KNOTS, phi[5:]):
+            if wk > 0:
+                for d in range(max(0, k - t0 + 1), n + 1):
+                    out[d] += wk * (t0 + d - k - h0)
+        return [y if y > _MIN_COST else _MIN_COST for y in out]
 
     @property
     def attention_weight(self) -> float:
         """Seconds per thousand attended keys."""
-        return float(self.weights[FEATURES.index("attention")])
+        return self._current()[FEATURES.index("attention")]
+
+    def _current(self) -> list[float]:
+        """The weights as floats, refitted first if ``refit_every`` updates are pending."""
+        if self._w_list is None or self._stale >= self.refit_every:
+            self.refit()
+        return self._w_list
 
     # ---- online ----
     def update(self, shape: StepShape, seconds: float) -> None:
         """Fold one measured step in (``seconds`` clipped near the current prediction)."""
-        if not (np.isfinite(seconds) and seconds >= 0) or shape.tokens < 0:
+        if not (math.isfinite(seconds) and seconds >= 0) or shape.tokens < 0:
             raise ValueError(f"need finite seconds >= 0 and tokens >= 0, got {seconds}, {shape}")
         if shape.tokens == 0:
             return
         # Plain floats here, numpy once per refit (_fold_pending): this runs every engine step, right
         # after a forward has evicted numpy's code and data from the caches (~50 us a numpy call then).
-        if self._w_list is None or self._stale >= self.refit_every:
-            self.refit()
+        w = self._current()
         t = float(shape.tokens)
         phi = [1.0, float(shape.requests), t, float(shape.logit_rows), float(shape.attention)] + [
             t - k if t > k else 0.0 for k in HINGE_KNOTS]
-        pred = max(sum(x * w for x, w in zip(phi, self._w_list)), _MIN_COST)
+        pred = max(sum(x * wf for x, wf in zip(phi, w)), _MIN_COST)
         f = self.max_update_factor
         self._pending.append((phi, min(max(float(seconds), pred / f), pred * f)))
         self.num_updates += 1

@@ -16,7 +16,6 @@ from tokenbudget.scheduler.request import Request
 from tokenbudget.spec.acceptance import AcceptanceEstimator
 from tokenbudget.spec.adaptive import (
     AdaptiveSpecController,
-    expected_tokens,
     optimal_draft_lengths,
 )
 from tokenbudget.spec.cost_model import StepShape, request_attention, synthetic_model
@@ -48,22 +47,15 @@ def test_optimal_against_brute_force(data):
     # per-request draft costs, non-decreasing along each row
     rc = np.array([sorted(data.draw(st.lists(st.sampled_from([0.0, 0.1, 0.5, 2.0]),
                                              min_size=kmax, max_size=kmax))) for _ in range(b)])
-    table = np.array(curve)
 
     def obj(ks):
         return (sum(_e(r, k) for r, k in zip(probs, ks))
                 / (curve[sum(ks)] + sum(rc[i, :k].sum() for i, k in enumerate(ks))))
-    k, num, den = optimal_draft_lengths(np.array(probs), np.array(caps), lambda d: table[d], rc)
+    k, num, den = optimal_draft_lengths(probs, caps, curve, rc.tolist())
     assert all(0 <= ki <= ci for ki, ci in zip(k, caps))
     assert num / den == pytest.approx(obj(list(k)), rel=1e-9)
     best = max(obj(ks) for ks in itertools.product(*(range(c + 1) for c in caps)))
     assert obj(list(k)) == pytest.approx(best, rel=1e-9)
-
-
-def test_expected_tokens():
-    a = np.array([[0.5, 0.5, 1.0], [1.0, 0.0, 1.0]])
-    assert expected_tokens(a, np.array([3, 3])).tolist() == pytest.approx([2.0, 2.0])
-    assert expected_tokens(a, np.array([0, 1])).tolist() == pytest.approx([1.0, 2.0])
 
 
 def _reqs(n, context=2, **kw):
@@ -94,8 +86,8 @@ def test_no_speculation_when_verify_rows_cost_more_than_they_return(b, acc, shar
     cost = synthetic_model(step=share * b, per_logit_row=1.0, per_kkey=kkey)
     ctrl = _ctrl(cost, prior_alpha=1.0, prior_beta=1.0)
     reqs = _reqs(b, context=ctx)
-    ctrl.acceptance.global_succ[:] = np.array(acc) * 1e9
-    ctrl.acceptance.global_trials[:] = 1e9
+    ctrl.acceptance.global_succ[:] = [a * 1e9 for a in acc]
+    ctrl.acceptance.global_trials[:] = [1e9] * 4
     for _ in range(20):                                        # probing does not pay either
         assert ctrl.choose(reqs) == [0] * b
     assert ctrl.num_probes == 0
@@ -107,8 +99,8 @@ def test_no_speculation_when_acceptance_is_zero():
     for r in reqs:
         for _ in range(200):
             ctrl.observe(r.request_id, 4, 0)
-    ctrl.acceptance.global_succ[:] = 0.0
-    ctrl.acceptance.global_trials[:] = 1e9                     # engine-wide rate ~0 too
+    ctrl.acceptance.global_succ[:] = [0.0] * 4
+    ctrl.acceptance.global_trials[:] = [1e9] * 4               # engine-wide rate ~0 too
     assert ctrl.choose(reqs) == [0, 0, 0, 0]
 
 
@@ -173,10 +165,10 @@ def test_choose_matches_the_pure_optimiser():
             ctrl.observe(r.request_id, k, acc)
     base = StepShape(1, 7, 0, 0.0)
     ks = ctrl.choose(reqs, base=base)
-    slots = ctrl.acceptance.slots([r.request_id for r in reqs])
+    rows = ctrl.acceptance.rows([r.request_id for r in reqs])
     curve, rc = ctrl.step_costs(reqs, base)
-    want, num, den = optimal_draft_lengths(ctrl.acceptance.probs(slots), np.full(40, 5), curve, rc)
-    assert ks == want.tolist()
+    want, num, den = optimal_draft_lengths(ctrl.acceptance.probs(rows), [5] * 40, curve, rc)
+    assert ks == want
     assert ctrl.last_plan.ratio == pytest.approx(num / den)
     assert sum(ks[:10]) <= sum(ks[-10:])     # better acceptors draft more
 
@@ -203,8 +195,8 @@ def test_learned_costs_switch_speculation_off():
     truth = synthetic_model(step=5e-3, per_logit_row=1e-3)
     ctrl = _ctrl(prior, max_k=4, prior_alpha=7.0, prior_beta=3.0, probe_interval=0)
     reqs = _reqs(8)
-    ctrl.acceptance.global_succ[:] = 0.4e9
-    ctrl.acceptance.global_trials[:] = 1e9
+    ctrl.acceptance.global_succ[:] = [0.4e9] * 4
+    ctrl.acceptance.global_trials[:] = [1e9] * 4
     assert sum(ctrl.choose(reqs)) > 0
     rng = random.Random(3)
     for _ in range(200):
@@ -236,8 +228,7 @@ def test_estimates_converge_to_true_acceptance(decay, tol):
         history.append(ctrl.estimate("r0"))
     mean = np.mean(history[-2000:], axis=0)
     assert mean == pytest.approx(true, abs=tol)
-    g = ctrl.acceptance.global_probs()
-    assert g.tolist() == pytest.approx(true, abs=0.15)
+    assert ctrl.acceptance.global_probs() == pytest.approx(true, abs=0.15)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -260,7 +251,7 @@ def test_stopped_request_resumes_when_acceptance_improves(seed):
     curve, rc = ctrl.step_costs(reqs)
 
     def optimum(rate: float) -> int:
-        return int(optimal_draft_lengths(np.array([[rate] * 4]), np.full(1, 4), curve, rc)[0][0])
+        return optimal_draft_lengths([[rate] * 4], [4], curve, rc)[0][0]
     assert (optimum(0.05), optimum(0.5), optimum(0.95)) == (0, 1, 4)  # the premises below
     assert ks[0] == optimum(0.5)  # the prior's mean 0.5: starts drafting
     window = range(200, 300)  # stopped: only probes draft, one draft each, spaced by probe_interval
@@ -277,7 +268,7 @@ def test_forget_and_slot_reuse():
     assert ctrl.estimate("x")[0] < 0.1
     ctrl.forget("x")
     assert "x" not in ctrl.acceptance
-    g = ctrl.acceptance.global_probs().tolist()
+    g = ctrl.acceptance.global_probs()
     assert ctrl.estimate("x") == pytest.approx(g)
     ctrl.observe("y", 1, 1)                  # reuses the freed row, starting clean
     assert ctrl.estimate("y")[1] == pytest.approx(ctrl.acceptance.global_probs()[1])
@@ -285,7 +276,7 @@ def test_forget_and_slot_reuse():
 
 
 def test_estimator_growth_and_validation():
-    est = AcceptanceEstimator(3, initial_slots=2)
+    est = AcceptanceEstimator(3)
     for i in range(10):
         est.observe(f"r{i}", 3, i % 4)
     assert len(est) == 10
@@ -304,8 +295,8 @@ def test_position_model_counts_only_tested_positions():
     est.observe("r", 4, 3)
     a = est.estimate("r")
     assert a[:3] == pytest.approx([1.0, 0.5, 1.0])
-    assert est.global_trials.tolist() == [2, 2, 1, 1]
-    assert est.global_succ.tolist() == [2, 1, 1, 0]
+    assert est.global_trials == [2, 2, 1, 1]
+    assert est.global_succ == [2, 1, 1, 0]
 
 
 def test_untested_positions_inherit_the_deepest_measured_rate():

@@ -163,3 +163,18 @@ def test_snapshot_restore():
     assert m.cost(s) != before
     m.restore(saved)
     assert m.cost(s) == before and m.num_updates == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 64), st.integers(0, 400), st.integers(0, 80), st.floats(0.0, 50.0), st.integers(0, 300))
+def test_token_curve_is_the_cost_of_the_step_with_d_more_rows(b, tokens, logit_rows, att, n):
+    """The controller prices D drafts with ``token_curve``: it must be ``cost`` of the same step
+    with D more rows needing logits (hinges included), for every D."""
+    m = synthetic_model(**TRUE)
+    base = StepShape(b, tokens, logit_rows, att)
+    g = m.token_curve(base, n)
+    assert len(g) == n + 1
+    for d in sorted({0, 1, n // 2, n} | {max(0, k - tokens + s) for k in (4, 16, 64, 256) for s in (0, 1)}):
+        if d <= n:
+            want = m.cost(StepShape(b, tokens + d, logit_rows + d, att))
+            assert g[d] == pytest.approx(want, rel=1e-9, abs=1e-15)

@@ -319,10 +319,10 @@ def test_controller_learns_each_source_apart(dirs) -> None:
     llm = engine(dirs["target"], spec)
     eng = llm.engine
     eng.add_request("rep", "abc " * 12 + "abc", greedy(40))
-    slots = eng.speculator.controller.acceptance._slot
+    acceptance = eng.speculator.controller.acceptance
     seen: set[str] = set()
     while eng.has_unfinished_requests():
         eng.step()
-        seen |= set(slots)
+        seen |= set(acceptance)
     assert "rep" + FREE_SOURCE in seen
-    assert not slots  # both keys forgotten
+    assert not len(acceptance)  # both keys forgotten
