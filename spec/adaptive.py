@@ -39,6 +39,15 @@ rate p_0, and the controller adds the number of probes (most overdue first) that
 the chosen plan — so probes are spent only where speculation could pay at the current batch size
 and cost. ``probe_interval=0`` disables probing.
 
+Draft kinds. A drafter may label each request's draft (``spec.proposer``: n-gram, the length of
+the matched suffix; suffix decoding, the match length's class; EAGLE-3 with suffix decoding, the
+head's drafts apart from the copied ones). The controller keeps one ``AcceptanceEstimator`` per
+kind, engine-wide prior included, and a request's a_{i,j} this step are those of its row in the
+estimator of its draft's kind: on code edits an n-gram draft after a 4-token match was accepted
+at the first position 89 % of the time and one after a 2-token match 47 % (benches/RESULTS.md,
+"Acceptance by draft kind"), so one estimate per request would average a sure draft with a
+coin flip and price both wrong.
+
 Per-request control: ``Request.max_spec_tokens`` (None = engine default ``max_k``, 0 = never)
 caps k_i; ``choose(..., caps=...)`` takes further caps (``scheduler.drafts.draft_limit``, or the
 length of the drafts a free drafter actually found) so the plan counts no clipped drafts.
@@ -50,7 +59,7 @@ with the step's shape and measured seconds after the commit, ``forget`` when a r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
@@ -143,9 +152,12 @@ class AdaptiveSpecController:
         if probe_interval < 0:
             raise ValueError(f"probe_interval must be >= 0, got {probe_interval}")
         self.max_k = int(max_k)
-        self.acceptance = AcceptanceEstimator(
-            max_k, prior_alpha=prior_alpha, prior_beta=prior_beta,
-            prior_strength=prior_strength, decay=decay, global_decay=global_decay)
+        self._estimator_args = dict(prior_alpha=prior_alpha, prior_beta=prior_beta,
+                                    prior_strength=prior_strength, decay=decay, global_decay=global_decay)
+        self.acceptance = AcceptanceEstimator(max_k, **self._estimator_args)
+        # One estimator per draft kind (``spec.proposer``), each with its own engine-wide prior;
+        # kind None (drafters without kinds) is ``acceptance``.
+        self._by_kind: dict[Hashable, AcceptanceEstimator] = {None: self.acceptance}
         self.cost_model = cost_model
         self.probe_interval = int(probe_interval)
         self.step = 0
@@ -188,18 +200,29 @@ class AdaptiveSpecController:
         span = range(2, self.max_k + 2)
         return g, [[w * (c + j) for j in span] for c in ctx]
 
+    def estimator(self, kind: Hashable = None) -> AcceptanceEstimator:
+        """The acceptance estimator of drafts of ``kind`` (created at the prior on first use)."""
+        est = self._by_kind.get(kind)
+        if est is None:
+            est = self._by_kind[kind] = AcceptanceEstimator(self.max_k, **self._estimator_args)
+        return est
+
     def choose(self, requests: Sequence[Request], base: StepShape | None = None,
-               caps: Sequence[int] | None = None) -> list[int]:
+               caps: Sequence[int] | None = None, kinds: Sequence[Hashable] | None = None) -> list[int]:
         """Drafts to propose for each request next step (``0 <= k_i <= cap_i``).
 
         base: what the step carries besides the listed requests' 1 + k_i rows (prefill chunks,
-        non-speculating requests). Call once per engine step.
+        non-speculating requests). kinds: per request, the kind of the draft it would verify
+        (``spec.proposer``; None: one kind for all). Call once per engine step.
         """
         base = _EMPTY if base is None else base
         if base.tokens < 0 or base.requests < 0 or base.logit_rows < 0 or base.attention < 0:
             raise ValueError(f"base must have no negative field, got {base}")
+        if kinds is not None and len(kinds) != len(requests):
+            raise ValueError(f"kinds has {len(kinds)} entries for {len(requests)} requests")
         self.step += 1
-        self.acceptance.decay_global()
+        for est in self._by_kind.values():
+            est.decay_global()
         b = len(requests)
         cap = self.caps_for(requests, caps)
         hist = self.k_histogram
@@ -208,18 +231,38 @@ class AdaptiveSpecController:
             if b:
                 hist[0] = hist.get(0, 0) + b
             return self.last_plan.k
-        rows = self.acceptance.rows([r.request_id for r in requests], self.step)
+        ests, rows, probs = self._estimates(requests, kinds)
         g, row_costs = self.step_costs(requests, base, sum(cap))
-        k, num, den = optimal_draft_lengths(self.acceptance.probs(rows), cap, g, row_costs)
-        n_probes, num, den = self._add_probes(k, cap, rows, num, den, g, row_costs)
+        k, num, den = optimal_draft_lengths(probs, cap, g, row_costs)
+        n_probes, num, den = self._add_probes(k, cap, ests, rows, num, den, g, row_costs)
         self.last_plan = Plan(k, num, den, num / den, n_probes)
         for kv in k:
             hist[kv] = hist.get(kv, 0) + 1
         return k
 
-    def _add_probes(self, k: list[int], cap: list[int], rows: list[Evidence], num: float,
-                    den: float, g: list[float], row_costs: list[list[float]]
-                    ) -> tuple[int, float, float]:
+    def _estimates(self, requests: Sequence[Request], kinds: Sequence[Hashable] | None
+                   ) -> tuple[list[AcceptanceEstimator], list[Evidence], list[list[float]]]:
+        """Per request: the estimator of its draft's kind, its evidence there, a_{i,j}."""
+        ids = [r.request_id for r in requests]
+        if kinds is None:
+            rows = self.acceptance.rows(ids, self.step)
+            return [self.acceptance] * len(ids), rows, self.acceptance.probs(rows)
+        groups: dict[Hashable, list[int]] = {}
+        for i, kd in enumerate(kinds):
+            groups.setdefault(kd, []).append(i)
+        ests: list = [None] * len(ids)
+        rows: list = [None] * len(ids)
+        probs: list = [None] * len(ids)
+        for kd, idx in groups.items():
+            est = self.estimator(kd)
+            rs = est.rows([ids[i] for i in idx], self.step)
+            for i, r, p in zip(idx, rs, est.probs(rs)):
+                ests[i], rows[i], probs[i] = est, r, p
+        return ests, rows, probs
+
+    def _add_probes(self, k: list[int], cap: list[int], ests: list[AcceptanceEstimator],
+                    rows: list[Evidence], num: float, den: float, g: list[float],
+                    row_costs: list[list[float]]) -> tuple[int, float, float]:
         """Give k=1 to the overdue idle requests worth probing (modifies ``k``); returns their
         number and the plan's new numerator and denominator."""
         if self.probe_interval == 0:
@@ -230,45 +273,58 @@ class AdaptiveSpecController:
         if not idle:
             return 0, num, den
         idle.sort(key=lambda t: -t[0])               # most overdue first (stable)
-        p0 = self.acceptance.global_probs()[0]
-        hope = self.acceptance.first_position_upper()   # decide optimistically, report the mean
         d0 = sum(k)
         lin = den - g[d0]
-        best, n, extra = num / den, 0, 0.0
+        best, n, hope, extra = num / den, 0, 0.0, 0.0
         for m, (_, i) in enumerate(idle, 1):
+            hope += ests[i].first_position_upper()   # decide optimistically, report the mean
             extra += row_costs[i][0]
-            r = (num + hope * m) / (g[d0 + m] + lin + extra)
+            r = (num + hope) / (g[d0 + m] + lin + extra)
             if r > best:
                 best, n = r, m
         for _, i in idle[:n]:
             k[i] = 1
         self.num_probes += n
         dens = g[d0 + n] + lin + sum(row_costs[i][0] for _, i in idle[:n])
-        return n, num + p0 * n, dens
+        return n, num + sum(ests[i].global_probs()[0] for _, i in idle[:n]), dens
 
     # ---- transactions ----
     def snapshot(self) -> tuple:
         """Everything ``choose`` changes, so a failed engine step can put it back."""
-        return (self.step, self.acceptance.snapshot(), dict(self.k_histogram), self.num_probes,
-                self.last_plan)
+        return (self.step, {kd: est.snapshot() for kd, est in self._by_kind.items()},
+                dict(self.k_histogram), self.num_probes, self.last_plan)
 
     def restore(self, saved: tuple) -> None:
-        self.step, acceptance, self.k_histogram, self.num_probes, self.last_plan = saved
-        self.acceptance.restore(acceptance)
+        self.step, estimators, self.k_histogram, self.num_probes, self.last_plan = saved
+        self._by_kind = {kd: est for kd, est in self._by_kind.items() if kd in estimators}
+        for kd, est in self._by_kind.items():
+            est.restore(estimators[kd])
 
     # ---- feedback ----
-    def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
-        """After the commit: the request verified ``num_draft``, kept ``num_accepted``."""
-        self.acceptance.observe(request_id, num_draft, num_accepted, self.step)
+    def observe(self, request_id: str, num_draft: int, num_accepted: int, kind: Hashable = None) -> None:
+        """After the commit: the request verified ``num_draft`` drafts of ``kind``, kept
+        ``num_accepted``."""
+        self.estimator(kind).observe(request_id, num_draft, num_accepted, self.step)
 
     def observe_step(self, shape: StepShape, seconds: float) -> None:
         """The engine's measured step: it carried ``shape`` and took ``seconds``."""
         self.cost_model.update(shape, seconds)
 
     def forget(self, request_id: str) -> None:
-        """The request finished or was aborted; free its state."""
-        self.acceptance.forget(request_id)
+        """The request finished or was aborted; free its state (every kind's)."""
+        for est in self._by_kind.values():
+            est.forget(request_id)
 
-    def estimate(self, request_id: str) -> list[float]:
-        """Current per-position conditional acceptance estimate of ``request_id``."""
-        return self.acceptance.estimate(request_id)
+    def estimate(self, request_id: str, kind: Hashable = None) -> list[float]:
+        """Current per-position conditional acceptance estimate of ``request_id``'s drafts of
+        ``kind``."""
+        return self.estimator(kind).estimate(request_id)
+
+    @property
+    def kinds(self) -> list[Hashable]:
+        """The draft kinds seen so far (None first: drafters without kinds)."""
+        return list(self._by_kind)
+
+    def tracked_requests(self) -> set[str]:
+        """Request ids with evidence in any kind (tests: released on the one release path)."""
+        return {rid for est in self._by_kind.values() for rid in est}

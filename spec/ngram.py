@@ -33,7 +33,7 @@ request, freed when it finishes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Literal
 
 import numpy as np
@@ -114,15 +114,19 @@ class NgramIndex:
 
     def lookup(self, k: int) -> list[int]:
         """Up to k tokens following the longest earlier occurrence of the current suffix."""
+        return self.match(k)[0]
+
+    def match(self, k: int) -> tuple[list[int], int]:
+        """``lookup``'s draft and the length n of the suffix it matched (0: no match)."""
         tokens, L = self.tokens, self.num_indexed
         if k <= 0 or L < 2:
-            return []
+            return [], 0
         table = self.table
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
             j = table.get(tuple(tokens[L - n:L]))
             if j is not None:
-                return _copy_continuation(tokens, j, k)
-        return []
+                return _copy_continuation(tokens, j, k), n
+        return [], 0
 
 
 class NgramProposer(BaseProposer):
@@ -138,6 +142,7 @@ class NgramProposer(BaseProposer):
         self.min_n, self.max_n, self.prefer = min_n, max_n, prefer
         self.max_model_len = max_model_len
         self._index: dict[str, NgramIndex] = {}
+        self._kinds: list[Hashable] | None = None
 
     @classmethod
     def from_config(cls, spec_config, max_model_len: int) -> NgramProposer:
@@ -147,14 +152,23 @@ class NgramProposer(BaseProposer):
         if len(requests) != len(num_tokens):
             raise ValueError(f"num_tokens has {len(num_tokens)} entries for {len(requests)} requests")
         out: list[list[int]] = []
+        kinds: list[Hashable] = []
         for req, k in zip(requests, num_tokens):
             k = draft_limit(req, self.max_model_len, k)
             index = self._index.get(req.request_id)
             if index is None:
                 index = self._index[req.request_id] = NgramIndex(self.min_n, self.max_n, self.prefer)
             index.sync(req.all_token_ids)
-            out.append(index.lookup(k) if k > 0 else [])
+            draft, n = index.match(k)
+            out.append(draft)
+            kinds.append(n)
+        self._kinds = kinds
         return out
+
+    def take_draft_kinds(self) -> list[Hashable] | None:
+        """The matched suffix length n of each request's draft (``spec.proposer``)."""
+        kinds, self._kinds = self._kinds, None
+        return kinds
 
     def on_finished(self, request: Request) -> None:
         self._index.pop(request.request_id, None)

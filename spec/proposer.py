@@ -17,6 +17,12 @@ change undoable: ``rollback`` (the step failed) undoes what the last ``propose``
 (the step committed) makes it final. ``on_finished`` is called once when a request finishes or
 is aborted, after its step committed.
 
+Draft kinds: a drafter that knows how a draft was found labels each request's draft of the last
+``propose`` (``take_draft_kinds``: n-gram and suffix decoding, the length of the match); the
+draft-length controller learns acceptance per label (``spec.adaptive``), because a draft copied
+after a 4-token match is accepted far more often than one after a 2-token match (figures:
+benches/RESULTS.md, "Acceptance by draft kind").
+
 Drafters that read the target's hidden states (EAGLE-3) get them in ``observe_target_states``,
 called in the commit with the committed step, its plan and the runner's ``aux_hidden_states``
 (the tap states of every row of the step, in the step's flat row order, or None); it must not
@@ -25,7 +31,7 @@ raise (the commit cannot fail) and only keeps what the next ``propose`` needs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from tokenbudget.scheduler.request import Request
@@ -39,6 +45,11 @@ class Proposer(Protocol):
 
     def take_draft_probs(self) -> list[Any] | None:
         """q-distributions ([n_i, vocab] each, or None) of the last ``propose`` call, or None."""
+        ...
+
+    def take_draft_kinds(self) -> list[Hashable] | None:
+        """Per request of the last ``propose`` call, the label of how its draft was found, or
+        None (see the module doc)."""
         ...
 
     def on_finished(self, request: Request) -> None:
@@ -63,6 +74,9 @@ class BaseProposer:
         raise NotImplementedError
 
     def take_draft_probs(self) -> list[Any] | None:
+        return None
+
+    def take_draft_kinds(self) -> list[Hashable] | None:
         return None
 
     def on_finished(self, request: Request) -> None:

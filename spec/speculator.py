@@ -13,9 +13,10 @@ chat) would charge the step for tokens it never runs and make the controller too
 the requests that do have drafts. Model drafters keep choose-then-draft (drafting costs).
 EAGLE-3 with suffix decoding (``enable_suffix_decoding``) does both: the proposer's
 ``free_drafts`` (suffix drafts, where long) go draft-then-choose, the other requests
-choose-then-draft with the head. The controller learns the acceptance of the two sources
-apart (a request's free drafts under the key ``request_id + FREE_SOURCE``): a head that misses
-on copied code must not make the controller cut the suffix drafts that hit, nor the reverse.
+choose-then-draft with the head. The controller learns acceptance per draft kind
+(``spec.proposer``): a free drafter's kinds (the match length), and for the hybrid the suffix
+drafts' kinds apart from the head's (``HEAD_KIND``), so a head that misses on copied code does
+not make the controller cut the suffix drafts that hit, nor the reverse.
 
 Transactions: ``propose`` saves the controller's state first; ``rollback`` restores it and
 rolls the proposer back; ``commit`` makes the proposer's changes final.
@@ -23,7 +24,7 @@ rolls the proposer back; ``commit`` makes the proposer's changes final.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Hashable
 from typing import Any
 
 from tokenbudget.api.spec_config import SpeculativeConfig
@@ -33,20 +34,7 @@ from tokenbudget.scheduler.request import Request
 from tokenbudget.spec.cost_model import StepShape, request_attention, step_shape
 from tokenbudget.spec.metrics import SpecDecodingStats
 
-FREE_SOURCE = "#free"  # the controller's key suffix for a request's free (suffix) drafts
-
-
-class _FreeSource:
-    """A request as the controller sees it when its drafts come from the free source."""
-
-    __slots__ = ("request", "request_id")
-
-    def __init__(self, request: Request) -> None:
-        self.request = request
-        self.request_id = request.request_id + FREE_SOURCE
-
-    def __getattr__(self, name: str):
-        return getattr(self.request, name)
+HEAD_KIND = "head"  # the controller's kind for a model drafter's drafts beside free ones (hybrid)
 
 
 class Speculator:
@@ -62,7 +50,7 @@ class Speculator:
         # drafts at the cap first and lets the controller choose among real drafts.
         self._free_drafter = config is not None and config.method in ("ngram", "suffix")
         self._hybrid = config is not None and config.enable_suffix_decoding
-        self._free_ids: set[str] = set()  # this step's requests verifying free drafts
+        self._kinds: dict[str, Hashable] = {}  # this step's drafted requests: the kind of their drafts
         self._saved_controller = None
         self.stats = SpecDecodingStats()
 
@@ -81,20 +69,23 @@ class Speculator:
         if not decoding:
             return None
         max_model_len = scheduler.config.max_model_len
-        drafted = free = None
-        self._free_ids = set()
+        drafted = free = kinds = None
+        self._kinds = {}
         if self.controller is not None:
             caps = [draft_limit(r, max_model_len) for r in decoding]
             if self._free_drafter:
                 # Cheap deterministic drafters: draft first, so the controller plans with the
                 # drafts that exist (a request without a match costs nothing and gets k = 0).
                 drafted = self.proposer.propose(decoding, caps)
+                kinds = self.proposer.take_draft_kinds()
                 caps = [len(d) for d in drafted]
             elif self._hybrid:
-                free = self.proposer.free_drafts(decoding, caps)  # per request: drafts or None
-                caps = [c if f is None else len(f) for f, c in zip(free, caps)]
-            keyed = [r if f is None else _FreeSource(r) for r, f in zip(decoding, free)] if free else decoding
-            ks = self.controller.choose(keyed, _base_shape(scheduler, decoding), caps)
+                free = self.proposer.free_drafts(decoding, caps)  # per request: (drafts, kind) or None
+                caps = [c if f is None else len(f[0]) for f, c in zip(free, caps)]
+                kinds = [HEAD_KIND if f is None else f[1] for f in free]
+            ks = self.controller.choose(decoding, _base_shape(scheduler, decoding), caps, kinds)
+            if kinds is not None:
+                self._kinds = {r.request_id: kd for r, k, kd in zip(decoding, ks, kinds) if k > 0}
         else:
             ks = [draft_limit(r, max_model_len, self.max_k) for r in decoding]
         chosen = [(r, k) for r, k in zip(decoding, ks) if k > 0]
@@ -104,7 +95,6 @@ class Speculator:
             tokens = [d[:k] for d, k in zip(drafted, ks) if k > 0]
             return DraftBatch([r.request_id for r, _ in chosen], tokens)
         if free is not None:
-            self._free_ids = {r.request_id for r, k, f in zip(decoding, ks, free) if k > 0 and f is not None}
             return self._merge_free(decoding, ks, free)
         reqs = [r for r, _ in chosen]
         tokens = self.proposer.propose(reqs, [k for _, k in chosen])
@@ -120,7 +110,7 @@ class Speculator:
         for r, k, f in zip(decoding, ks, free):
             if k <= 0:
                 continue
-            t, q = (f[:k], None) if f is not None else drafted[r.request_id]
+            t, q = (f[0][:k], None) if f is not None else drafted[r.request_id]
             ids.append(r.request_id)
             out.append(t)
             out_probs.append(q)
@@ -130,7 +120,7 @@ class Speculator:
         if self.proposer is None:
             return
         self.proposer.rollback()
-        self._free_ids = set()
+        self._kinds = {}
         if self.controller is not None and self._saved_controller is not None:
             self.controller.restore(self._saved_controller)
         self._saved_controller = None
@@ -151,9 +141,9 @@ class Speculator:
             if entry.new_token_ids:
                 stats.observe(entry.num_draft_tokens, entry.num_accepted_tokens)
                 if controller is not None and entry.num_draft_tokens:
-                    key = entry.request_id + (FREE_SOURCE if entry.request_id in self._free_ids else "")
-                    controller.observe(key, entry.num_draft_tokens, entry.num_accepted_tokens)
-        self._free_ids = set()
+                    controller.observe(entry.request_id, entry.num_draft_tokens, entry.num_accepted_tokens,
+                                       self._kinds.get(entry.request_id))
+        self._kinds = {}
         if controller is not None and step_seconds is not None and sched is not None:
             controller.observe_step(step_shape(sched), step_seconds)
 
@@ -163,8 +153,6 @@ class Speculator:
         self.proposer.on_finished(request)
         if self.controller is not None:
             self.controller.forget(request.request_id)
-            if self._hybrid:
-                self.controller.forget(request.request_id + FREE_SOURCE)
 
 
 def _base_shape(scheduler, decoding) -> StepShape:

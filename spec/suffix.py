@@ -39,7 +39,7 @@ extension plus a thin Python wrapper) is the only part that would apply here.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from tokenbudget.scheduler.drafts import draft_limit
@@ -114,6 +114,12 @@ def _walk(cands: list[tuple[Sequence[int], int]], max_len: int, min_prob: float
     return draft, probs, score
 
 
+def match_kind(match_len: int) -> int:
+    """The label of a draft after a match of ``match_len`` tokens: 2, 3, 4 (4-7) or 8 (8 or more);
+    0 for no match. Coarse above 4, so each class gets evidence."""
+    return match_len if match_len < 4 else (4 if match_len < 8 else 8)
+
+
 class SuffixProposer(BaseProposer):
     """Suffix-decoding drafts; ``propose`` clips each request to ``draft_limit``."""
 
@@ -138,6 +144,7 @@ class SuffixProposer(BaseProposer):
         self._num_live_entries = 0
         self._next_seq_id = 0
         self._pending_touches: list[int] = []  # cached sequences that drafted this step (LRU)
+        self._kinds: list[Hashable] | None = None
 
     @classmethod
     def from_config(cls, spec_config, max_model_len: int) -> SuffixProposer:
@@ -149,15 +156,23 @@ class SuffixProposer(BaseProposer):
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
         if len(requests) != len(num_tokens):
             raise ValueError(f"num_tokens has {len(num_tokens)} entries for {len(requests)} requests")
-        out = []
+        out, kinds = [], []
         for req, k in zip(requests, num_tokens):
             k = draft_limit(req, self.max_model_len, k)
             local = self._local.get(req.request_id)
             if local is None:
                 local = self._local[req.request_id] = _LocalIndex()
             local.sync(req.all_token_ids)
-            out.append(self.speculate(local, k).token_ids if k > 0 else [])
+            d = self.speculate(local, k) if k > 0 else SuffixDraft()
+            out.append(d.token_ids)
+            kinds.append(match_kind(d.match_len))
+        self._kinds = kinds
         return out
+
+    def take_draft_kinds(self) -> list[Hashable] | None:
+        """Each request's draft's match length, in classes (``match_kind``; ``spec.proposer``)."""
+        kinds, self._kinds = self._kinds, None
+        return kinds
 
     def commit(self) -> None:
         """The step committed: the cached sequences that supplied its drafts become most recent."""

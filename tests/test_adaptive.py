@@ -318,3 +318,27 @@ def test_from_config_and_histogram():
     n = ctrl.cost_model.num_updates
     ctrl.observe_step(StepShape(1, 10, 10, 0.1), 1.0)
     assert ctrl.cost_model.num_updates == n + 1
+
+
+def test_acceptance_is_learnt_per_draft_kind():
+    """Drafts of kind 4 (say, after a 4-token n-gram match) are always accepted, drafts of kind
+    2 never, for the same request: with kinds the controller drafts deep for the one and not at
+    all for the other; without them it averages the two into one middling k."""
+    cost = synthetic_model(step=1.0, per_logit_row=0.3)       # a draft pays iff its m > 0.3
+    ctrl = _ctrl(cost, probe_interval=0)
+    (r,) = _reqs(1)
+    for _ in range(200):
+        ctrl.observe("r0", 4, 4, kind=4)
+        ctrl.observe("r0", 4, 0, kind=2)
+    assert ctrl.choose([r], kinds=[4]) == [4]
+    assert ctrl.choose([r], kinds=[2]) == [0]
+    assert ctrl.estimate("r0", 4)[0] > 0.95 and ctrl.estimate("r0", 2)[0] < 0.05
+    assert set(ctrl.kinds) == {None, 2, 4} and ctrl.tracked_requests() == {"r0"}
+    saved = ctrl.snapshot()
+    ctrl.choose([r], kinds=["new"])                           # a failed step's new kind goes
+    ctrl.restore(saved)
+    assert set(ctrl.kinds) == {None, 2, 4}
+    ctrl.forget("r0")
+    assert not ctrl.tracked_requests()
+    with pytest.raises(ValueError):
+        ctrl.choose([r], kinds=[1, 2])

@@ -312,17 +312,19 @@ def test_suffix_decoding_where_text_repeats(dirs, k) -> None:
 
 
 def test_controller_learns_each_source_apart(dirs) -> None:
-    """Under "auto" the controller keys a request's suffix drafts as ``request_id + '#free'``
-    and its head drafts as ``request_id``; both are forgotten on release."""
-    from tokenbudget.spec.speculator import FREE_SOURCE
+    """Under "auto" the controller learns a request's suffix drafts under their kind
+    (``("suffix", match class)``) and its head drafts under ``HEAD_KIND``; both are forgotten
+    on release."""
+    from tokenbudget.spec.speculator import HEAD_KIND
     spec = {**eagle(dirs["head"], k="auto"), "enable_suffix_decoding": True}
     llm = engine(dirs["target"], spec)
     eng = llm.engine
     eng.add_request("rep", "abc " * 12 + "abc", greedy(40))
-    acceptance = eng.speculator.controller.acceptance
-    seen: set[str] = set()
+    ctrl = eng.speculator.controller
+    kinds: set = set()
     while eng.has_unfinished_requests():
         eng.step()
-        seen |= set(acceptance)
-    assert "rep" + FREE_SOURCE in seen
-    assert not len(acceptance)  # both keys forgotten
+        kinds |= {kd for kd in ctrl.kinds if "rep" in ctrl.estimator(kd)}
+    assert any(isinstance(kd, tuple) and kd[0] == "suffix" for kd in kinds)
+    assert HEAD_KIND in ctrl.kinds
+    assert not ctrl.tracked_requests()  # every kind's row forgotten

@@ -109,6 +109,8 @@ def test_batch_of_requests():
     prop = NgramProposer(1, 2, max_model_len=1000)
     reqs = [_req([1, 2, 3, 1], rid="a"), _req([5, 6], rid="b"), _req([9, 9, 9], rid="c")]
     assert prop.propose(reqs, [2, 2, 1]) == [[2, 3], [], [9]]
+    assert prop.take_draft_kinds() == [1, 0, 2]   # the matched suffix's length; handed over once
+    assert prop.take_draft_kinds() is None
 
 
 tokens_st = st.lists(st.integers(0, 4), min_size=0, max_size=60)

@@ -62,6 +62,10 @@ def test_proposal_length_scales_with_match_length():
         assert d == seq[m:m + len(d)]
         lens.append(len(d))
     assert lens == [2, 3, 5, 8]
+    (d,) = sp.propose([_req("n5", [7] + seq[:5]), ], [16])
+    assert sp.take_draft_kinds() == [4] and sp.take_draft_kinds() is None   # 4-7 -> 4; handed over once
+    sp.propose([_req("n9", [7] + seq[:9]), _req("n2", [7] + seq[:2]), _req("none", [1, 2])], [16, 16, 16])
+    assert sp.take_draft_kinds() == [8, 2, 0]
     sp2 = SuffixProposer(max_spec_factor=0.0, max_spec_offset=4, max_model_len=10_000)
     sp2.on_finished(_req("old", [0], seq))
     assert len(sp2.propose([_req("n", [7] + seq[:2])], [16])[0]) == 4

@@ -49,7 +49,7 @@ head's own distribution.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -140,9 +140,9 @@ class Eagle3Proposer(BaseProposer):
         states = {i: self._state_of(requests[i]) for i in active}
         self._catch_up(requests, states)
         if self.suffix is not None and active:
-            for i, d in zip(list(active), self.free_drafts([requests[i] for i in active], [ks[i] for i in active])):
-                if d is not None:
-                    drafts[i], probs[i] = d, None
+            for i, f in zip(list(active), self.free_drafts([requests[i] for i in active], [ks[i] for i in active])):
+                if f is not None:
+                    drafts[i], probs[i] = f[0], None
                     active.remove(i)
         # Draft 1 from the row at L - 2 (a request whose last committed position has no tap
         # state gets no drafts this step: never wrong, and rare).
@@ -167,16 +167,20 @@ class Eagle3Proposer(BaseProposer):
         self._probs = [torch.stack(p) if p else None for p in probs]
         return drafts
 
-    def free_drafts(self, requests: Sequence[Request], caps: Sequence[int]) -> list[list[int] | None]:
-        """Suffix decoding's drafts (up to ``caps``) where they are long, else None: drafts that
-        cost nothing, for the controller to cut (``spec.speculator``)."""
-        out: list[list[int] | None] = [None] * len(requests)
+    def free_drafts(self, requests: Sequence[Request], caps: Sequence[int]
+                    ) -> list[tuple[list[int], Hashable] | None]:
+        """Suffix decoding's drafts (up to ``caps``) where they are long, with their kinds
+        (``("suffix", match class)``, ``spec.proposer``), else None: drafts that cost nothing,
+        for the controller to cut (``spec.speculator``)."""
+        out: list[tuple[list[int], Hashable] | None] = [None] * len(requests)
         if self.suffix is None:
             return out
         ks = [draft_limit(r, self.max_model_len, c) for r, c in zip(requests, caps)]
-        for i, d in enumerate(self.suffix.propose(requests, ks)):
+        drafts = self.suffix.propose(requests, ks)
+        kinds = self.suffix.take_draft_kinds()
+        for i, d in enumerate(drafts):
             if d and len(d) >= min(ks[i], SUFFIX_MIN_DRAFT):
-                out[i] = d
+                out[i] = (d, ("suffix", kinds[i]))
                 self.num_suffix_drafts += 1
         return out
 
