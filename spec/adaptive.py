@@ -11,7 +11,9 @@ engine measures it (``spec.cost_model``: learned online from this engine's own s
 start-up probe; no cost constant is set by hand). In that model a draft j of request i adds one
 row and one logit row (a cost g(D) that depends only on the step's total drafts D, convex in D)
 plus its attention over the request's context (c_{i,j} = w_attention * keys, per request: a
-verify row of a long-context request costs more than one of a short chat). So
+verify row of a long-context request costs more than one of a short chat) and, for a model
+drafter, the drafting (w_draft_token per draft, and w_draft_request on a request's first draft:
+the head's catch-up and dispatch, paid once per drafted request). So
 
     C(k) = g(D) + sum_{i, j < k_i} c_{i,j}.
 
@@ -23,8 +25,24 @@ of prefixes (a valid k), and no other D drafts have a larger sum; scanning D ove
 sums with - lambda g(D) gives F(lambda) exactly. Start at lambda = R(0) (no drafts), set lambda to
 the ratio of the maximiser and repeat: each round strictly raises R until F(lambda) = 0, which is
 the global optimum (finite: there are finitely many k). Ties pick the smallest D (less
-speculation). Cost: a few sorts of <= B*K numbers (figures: benches/RESULTS.md, "Figures behind
-decisions in the source").
+speculation). A model drafter's per-request cost makes a row's first draft dearer than its
+second, so v may rise along a row; such rows are ironed first (pool adjacent violators: v replaced
+by the slopes of its concave majorant, equal within a pooled block, so the sorted order still
+takes prefixes), and the D scan sums the true values. That is exact when g is linear (each row's
+best k is a block boundary where the ironed values change sign, and the prefix of all positive
+blocks is among those scanned) and a close approximation when g bends (a test bounds it).
+Cost: a few sorts of <= B*K numbers (figures: benches/RESULTS.md, "Figures behind decisions in
+the source").
+
+Holding k = 0. When a plan gives k = 0 to every request, the next steps repeat it without
+solving again while nothing it depends on has moved: the same requests with the same draft kinds,
+caps no larger (fewer candidates cannot raise the optimum), the same ``base``, no new verdict
+(``observe``) and no refit of the cost model, for at most ``HOLD_STEPS`` steps. What still moves
+inside a hold is slow (the engine-wide estimates decaying toward the prior) or only makes drafts
+dearer (contexts growing, a model drafter's backlog growing), so a request resumes drafting at
+most ``HOLD_STEPS`` steps late.
+The point is the steps where speculation is off — open chat with a model drafter at batch 1,
+where a full solve every ~5 ms step cost ~3 % (benches/RESULTS.md, "Controller overhead").
 
 What falls out: k = 0 for requests whose drafts do not pay (low m or long context); shorter k
 as the batch grows (a draft must return more than the step's average cost per token, which
@@ -69,6 +87,7 @@ from tokenbudget.spec.acceptance import AcceptanceEstimator, Evidence
 from tokenbudget.spec.cost_model import StepCostModel, StepShape
 
 _EMPTY = StepShape(0, 0, 0, 0.0)
+HOLD_STEPS = 8  # longest run of steps an all-zero plan is repeated without solving (module docstring)
 
 
 @dataclass(slots=True)
@@ -91,7 +110,8 @@ def optimal_draft_lengths(accept_probs: Sequence[Sequence[float]], caps: Sequenc
     accept_probs: per request, conditional acceptance probabilities a_{i,j} in [0, 1].
     caps: per request, an upper bound on k_i (clipped to [0, len(accept_probs[i])]).
     step_costs: g(D) for D = 0 .. sum of the caps (> 0).
-    row_costs: per request, c_{i,j} >= 0 for j < cap_i, non-decreasing in j (None: all 0).
+    row_costs: per request, c_{i,j} >= 0 for j < cap_i (None: all 0); exact when each row is
+        non-decreasing in j or g is linear (module docstring).
 
     Plain Python: the candidates are at most B * max_k numbers and this runs every step (see
     ``spec.acceptance`` on why not numpy).
@@ -100,14 +120,18 @@ def optimal_draft_lengths(accept_probs: Sequence[Sequence[float]], caps: Sequenc
     gains: list[float] = []   # row-major: lower position first per row
     costs: list[float] = []
     owner: list[int] = []
+    bumpy: list[range] = []   # candidate spans of the rows whose cost falls somewhere (ironed)
     for i, (row, cap) in enumerate(zip(accept_probs, caps)):
         rc = None if row_costs is None else row_costs[i]
         m = 1.0
+        start = len(gains)
         for j in range(max(0, min(int(cap), len(row)))):
             m *= float(row[j])
             gains.append(m)
             costs.append(0.0 if rc is None else float(rc[j]))
             owner.append(i)
+        if any(costs[j + 1] < costs[j] for j in range(start, len(gains) - 1)):
+            bumpy.append(range(start, len(gains)))
     n = len(gains)
     g = [float(x) for x in step_costs[:n + 1]]
     if len(g) < n + 1:
@@ -119,7 +143,8 @@ def optimal_draft_lengths(accept_probs: Sequence[Sequence[float]], caps: Sequenc
     for _ in range(max_rounds if n else 0):
         lam = num / den
         v = [x - lam * c for x, c in zip(gains, costs)]
-        order = sorted(range(n), key=v.__getitem__, reverse=True)  # stable: ties keep the lower position
+        key = _ironed(v, bumpy) if bumpy else v
+        order = sorted(range(n), key=key.__getitem__, reverse=True)  # stable: ties keep the lower position
         f = [-lam * g[0]] + [a - lam * gt for a, gt in zip(accumulate([v[o] for o in order]), g[1:])]
         d = max(range(n + 1), key=f.__getitem__)      # the first maximum: the smallest D
         cand = order[:d]
@@ -132,6 +157,27 @@ def optimal_draft_lengths(accept_probs: Sequence[Sequence[float]], caps: Sequenc
     for o in sel:
         k[owner[o]] += 1
     return k, num, den
+
+
+def _ironed(v: list[float], spans: list[range]) -> list[float]:
+    """``v`` with each span replaced by the slopes of its cumulative sum's concave majorant (pool
+    adjacent violators): non-increasing along the span, equal within a pooled block, and the
+    same total over each block."""
+    out = list(v)
+    for span in spans:
+        blocks: list[list[float]] = []   # [sum, count]
+        for j in span:
+            blocks.append([v[j], 1.0])
+            while len(blocks) > 1 and blocks[-2][0] * blocks[-1][1] < blocks[-1][0] * blocks[-2][1]:
+                s, c = blocks.pop()
+                blocks[-1][0] += s
+                blocks[-1][1] += c
+        j = span.start
+        for s, c in blocks:
+            for _ in range(int(c)):
+                out[j] = s / c
+                j += 1
+    return out
 
 
 class AdaptiveSpecController:
@@ -164,6 +210,8 @@ class AdaptiveSpecController:
         self.k_histogram: dict[int, int] = {}
         self.num_probes = 0
         self.last_plan: Plan | None = None
+        self._num_verdicts = 0               # observe() calls: any verdict can move an estimate
+        self._hold: tuple | None = None      # (inputs, caps, step) of the last all-zero plan solved
 
     @classmethod
     def from_config(cls, config: Any, cost_model: StepCostModel, **kwargs: Any
@@ -183,12 +231,16 @@ class AdaptiveSpecController:
         return [a if a > 0 else 0 for a in out]
 
     def step_costs(self, requests: Sequence[Request], base: StepShape = _EMPTY,
-                   max_drafts: int | None = None) -> tuple[list[float], list[list[float]]]:
+                   max_drafts: int | None = None, backlog: Sequence[int | None] | None = None
+                   ) -> tuple[list[float], list[list[float]]]:
         """g(D) for D = 0..max_drafts (default B * max_k) and c_{i,j} for j < max_k, for these
         decoding requests on top of ``base`` (module docstring).
 
         Request i decodes one row after ``num_computed_tokens`` cached tokens; its draft j is the
-        row after that and attends ``context + j + 2`` keys."""
+        row after that and attends ``context + j + 2`` keys. ``backlog[i]``: None when its drafts
+        are free, else the rows a model drafter would first catch up on for it; the drafter's cost
+        is added (``StepCostModel.drafter_weights``: per request and backlog on the first draft,
+        one row per draft)."""
         ctx = [r.num_computed_tokens for r in requests]
         b = len(requests)
         decode_keys = (sum(ctx) + b) / 1000.0          # request_attention(ctx, 1) each
@@ -198,7 +250,14 @@ class AdaptiveSpecController:
         g = model.token_curve(zero, b * self.max_k if max_drafts is None else max_drafts)
         w = model.attention_weight / 1000.0
         span = range(2, self.max_k + 2)
-        return g, [[w * (c + j) for j in span] for c in ctx]
+        rows = [[w * (c + j) for j in span] for c in ctx]
+        if backlog is not None:
+            per_request, per_row = model.drafter_weights
+            for row, behind in zip(rows, backlog):
+                if behind is not None:
+                    row[:] = [x + per_row for x in row]
+                    row[0] += per_request + per_row * behind
+        return g, rows
 
     def estimator(self, kind: Hashable = None) -> AcceptanceEstimator:
         """The acceptance estimator of drafts of ``kind`` (created at the prior on first use)."""
@@ -208,12 +267,15 @@ class AdaptiveSpecController:
         return est
 
     def choose(self, requests: Sequence[Request], base: StepShape | None = None,
-               caps: Sequence[int] | None = None, kinds: Sequence[Hashable] | None = None) -> list[int]:
+               caps: Sequence[int] | None = None, kinds: Sequence[Hashable] | None = None,
+               backlog: Sequence[int | None] | None = None) -> list[int]:
         """Drafts to propose for each request next step (``0 <= k_i <= cap_i``).
 
         base: what the step carries besides the listed requests' 1 + k_i rows (prefill chunks,
         non-speculating requests). kinds: per request, the kind of the draft it would verify
-        (``spec.proposer``; None: one kind for all). Call once per engine step.
+        (``spec.proposer``; None: one kind for all). backlog: per request, None if its drafts are
+        free, else the rows a model drafter would catch up on first (``step_costs``; None: all
+        free). Call once per engine step.
         """
         base = _EMPTY if base is None else base
         if base.tokens < 0 or base.requests < 0 or base.logit_rows < 0 or base.attention < 0:
@@ -231,11 +293,21 @@ class AdaptiveSpecController:
             if b:
                 hist[0] = hist.get(0, 0) + b
             return self.last_plan.k
+        inputs = (tuple(r.request_id for r in requests), None if kinds is None else tuple(kinds),
+                  None if backlog is None else tuple(b is None for b in backlog), base, self._num_verdicts,
+                  self.cost_model.version)
+        hold = self._hold
+        if (hold is not None and hold[0] == inputs and self.step - hold[2] < HOLD_STEPS
+                and all(c <= h for c, h in zip(cap, hold[1]))):
+            self.last_plan = Plan([0] * b, float(b), self.last_plan.cost, self.last_plan.ratio)
+            hist[0] = hist.get(0, 0) + b
+            return self.last_plan.k
         ests, rows, probs = self._estimates(requests, kinds)
-        g, row_costs = self.step_costs(requests, base, sum(cap))
+        g, row_costs = self.step_costs(requests, base, sum(cap), backlog)
         k, num, den = optimal_draft_lengths(probs, cap, g, row_costs)
         n_probes, num, den = self._add_probes(k, cap, ests, rows, num, den, g, row_costs)
         self.last_plan = Plan(k, num, den, num / den, n_probes)
+        self._hold = None if any(k) else (inputs, cap, self.step)
         for kv in k:
             hist[kv] = hist.get(kv, 0) + 1
         return k
@@ -292,10 +364,10 @@ class AdaptiveSpecController:
     def snapshot(self) -> tuple:
         """Everything ``choose`` changes, so a failed engine step can put it back."""
         return (self.step, {kd: est.snapshot() for kd, est in self._by_kind.items()},
-                dict(self.k_histogram), self.num_probes, self.last_plan)
+                dict(self.k_histogram), self.num_probes, self.last_plan, self._hold)
 
     def restore(self, saved: tuple) -> None:
-        self.step, estimators, self.k_histogram, self.num_probes, self.last_plan = saved
+        self.step, estimators, self.k_histogram, self.num_probes, self.last_plan, self._hold = saved
         self._by_kind = {kd: est for kd, est in self._by_kind.items() if kd in estimators}
         for kd, est in self._by_kind.items():
             est.restore(estimators[kd])
@@ -305,6 +377,7 @@ class AdaptiveSpecController:
         """After the commit: the request verified ``num_draft`` drafts of ``kind``, kept
         ``num_accepted``."""
         self.estimator(kind).observe(request_id, num_draft, num_accepted, self.step)
+        self._num_verdicts += 1
 
     def observe_step(self, shape: StepShape, seconds: float) -> None:
         """The engine's measured step: it carried ``shape`` and took ``seconds``."""

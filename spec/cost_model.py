@@ -17,9 +17,16 @@ Shape of a step (``StepShape``, built from a ``SchedulerOutput`` by ``step_shape
 * ``tokens`` over knots (``HINGE_KNOTS``): ``max(0, tokens - knot)``. With non-negative weights the
   cost is convex piecewise linear in the row count, which covers the memory-bound regime where
   the first few rows of a GEMM are almost free (the weights are streamed once either way) and
-  each further row costs compute.
+  each further row costs compute;
+* ``draft_requests`` / ``draft_rows``: requests a model drafter (draft model, EAGLE-3 head) drafted
+  for in this step, and the rows it ran for them (catching up on the positions committed since it
+  last ran, then one row per draft). Drafting is part of the step's wall time, and a model
+  drafter's cost is per drafted request (dispatch of its small ops: on a CPU mostly Python) and
+  per row it runs (a request back to drafting after a long pause first runs its whole backlog),
+  not per verify row, so it gets its own terms; free drafters (n-gram, suffix) leave them at 0.
 
-Model: ``cost = w . phi(shape)``, ``phi = [1, requests, tokens, logit_rows, attention, hinges...]``,
+Model: ``cost = w . phi(shape)``, ``phi = [1, requests, tokens, logit_rows, attention, hinges...,
+draft_requests, draft_rows]``,
 ``w >= 0`` (a cost that falls when rows are added is noise, and would reward padding a step
 with useless drafts).
 
@@ -55,7 +62,8 @@ import numpy as np
 
 HINGE_KNOTS = (4, 16, 64, 256)
 FEATURES = ("step", "requests", "tokens", "logit_rows", "attention") + tuple(
-    f"tokens_over_{k}" for k in HINGE_KNOTS)
+    f"tokens_over_{k}" for k in HINGE_KNOTS) + ("draft_requests", "draft_rows")
+_DRAFT_REQUESTS = FEATURES.index("draft_requests")
 _MIN_COST = 1e-9
 _RIDGE = 1e-6   # relative to the normal matrix' diagonal: keeps unexcited directions solvable
 
@@ -68,11 +76,18 @@ class StepShape:
     tokens: int
     logit_rows: int
     attention: float
+    draft_requests: int = 0
+    draft_rows: int = 0
+
+    def phi(self) -> list[float]:
+        """The feature vector (``FEATURES``), as floats."""
+        t = self.tokens
+        return ([1.0, float(self.requests), float(t), float(self.logit_rows), float(self.attention)]
+                + [float(t - k) if t > k else 0.0 for k in HINGE_KNOTS]
+                + [float(self.draft_requests), float(self.draft_rows)])
 
     def features(self) -> np.ndarray:
-        t = float(self.tokens)
-        return np.array([1.0, float(self.requests), t, float(self.logit_rows), float(self.attention)]
-                        + [t - k if t > k else 0.0 for k in HINGE_KNOTS])
+        return np.array(self.phi())
 
 
 def default_grid(max_tokens: int) -> list[int]:
@@ -194,6 +209,7 @@ class StepCostModel:
         self._pending: list[tuple[list[float], float]] = []  # (phi, clipped seconds) not yet in _a, _b
         self._w_list: list[float] | None = None               # _w as floats, for the per-step prediction
         self.num_updates = 0
+        self.num_refits = 0   # the controller re-plans when the weights change (``spec.adaptive``)
         self._w: np.ndarray | None = None
         self._stale = 0   # updates since the last refit
 
@@ -216,6 +232,7 @@ class StepCostModel:
 
     def refit(self) -> None:
         """Solve for w now: online evidence + the Gaussian prior around ``prior_weights``."""
+        self.num_refits += 1
         self._stale = 0
         self._fold_pending()
         p = self._prior_precision
@@ -253,8 +270,7 @@ class StepCostModel:
         floats: the controller calls this every step (see ``update``)."""
         w = self._current()
         t0 = base.tokens
-        phi = [1.0, float(base.requests), float(t0), float(base.logit_rows), float(base.attention)] + [
-            t0 - k if t0 > k else 0.0 for k in HINGE_KNOTS]
+        phi = base.phi()
         y0 = sum(x * wf for x, wf in zip(phi, w))
         slope = w[2] + w[3]
         out = [y0 + slope * d for d in range(n + 1)]
@@ -268,6 +284,18 @@ class StepCostModel:
     def attention_weight(self) -> float:
         """Seconds per thousand attended keys."""
         return self._current()[FEATURES.index("attention")]
+
+    @property
+    def drafter_weights(self) -> tuple[float, float]:
+        """Seconds per request a model drafter drafts for, and per row it runs."""
+        w = self._current()
+        return w[_DRAFT_REQUESTS], w[_DRAFT_REQUESTS + 1]
+
+    @property
+    def version(self) -> int:
+        """Changes exactly when the weights do (a refit), pending refits done first."""
+        self._current()
+        return self.num_refits
 
     def _current(self) -> list[float]:
         """The weights as floats, refitted first if ``refit_every`` updates are pending."""
@@ -285,9 +313,7 @@ class StepCostModel:
         # Plain floats here, numpy once per refit (_fold_pending): this runs every engine step, right
         # after a forward has evicted numpy's code and data from the caches (~50 us a numpy call then).
         w = self._current()
-        t = float(shape.tokens)
-        phi = [1.0, float(shape.requests), t, float(shape.logit_rows), float(shape.attention)] + [
-            t - k if t > k else 0.0 for k in HINGE_KNOTS]
+        phi = shape.phi()
         pred = max(sum(x * wf for x, wf in zip(phi, w)), _MIN_COST)
         f = self.max_update_factor
         self._pending.append((phi, min(max(float(seconds), pred / f), pred * f)))
@@ -310,18 +336,24 @@ class StepCostModel:
 
 def synthetic_model(step: float = 0.0, per_request: float = 0.0, per_token: float = 0.0,
                     per_logit_row: float = 0.0, per_kkey: float = 0.0,
-                    hinges: Sequence[float] = (), **kwargs) -> StepCostModel:
+                    hinges: Sequence[float] = (), per_draft_request: float = 0.0,
+                    per_draft_row: float = 0.0, **kwargs) -> StepCostModel:
     """A model whose prior is generated exactly by the given weights (tests, benches' what-ifs).
-    The prior is dense enough over every feature that the fit returns these weights."""
+    The prior is dense enough over every feature that the fit returns these weights (the drafter
+    terms are excited only when one of them is set: a prior like the engine's, whose start-up
+    probes draft nothing, otherwise)."""
     w = np.array([step, per_request, per_token, per_logit_row, per_kkey]
-                 + list(hinges) + [0.0] * (len(HINGE_KNOTS) - len(hinges)))
+                 + list(hinges) + [0.0] * (len(HINGE_KNOTS) - len(hinges))
+                 + [per_draft_request, per_draft_row])
     if np.any(w < 0):
         raise ValueError("synthetic weights must be >= 0")
+    drafted = [(0, 0)] + ([(1, 1), (1, 3), (4, 5)] if per_draft_request or per_draft_row else [])
     prior = []
     for b in (1, 2, 4, 16, 64):
         for t in sorted({b, 2 * b, b + 3, 3 * b + 5, b + 70, b + 300}):
             for lr in sorted({b, t}):
                 for att in (0.0, 0.5 * b, 4.0 * b):
-                    shape = StepShape(b, t, lr, att)
-                    prior.append((shape, max(float(shape.features() @ w), _MIN_COST)))
+                    for dr, dt in drafted:
+                        shape = StepShape(b, t, lr, att, dr, dt)
+                        prior.append((shape, max(float(shape.features() @ w), _MIN_COST)))
     return StepCostModel(prior, **kwargs)

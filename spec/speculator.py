@@ -25,6 +25,7 @@ rolls the proposer back; ``commit`` makes the proposer's changes final.
 from __future__ import annotations
 
 from collections.abc import Collection, Hashable
+from dataclasses import replace
 from typing import Any
 
 from tokenbudget.api.spec_config import SpeculativeConfig
@@ -51,6 +52,8 @@ class Speculator:
         self._free_drafter = config is not None and config.method in ("ngram", "suffix")
         self._hybrid = config is not None and config.enable_suffix_decoding
         self._kinds: dict[str, Hashable] = {}  # this step's drafted requests: the kind of their drafts
+        self._drafter_work = (0, 0)  # this step's requests a model drafter drafted for, rows it ran
+        self._backlog: dict[str, int] = {}  # this step's model-drafted requests: rows behind (controller)
         self._saved_controller = None
         self.stats = SpecDecodingStats()
 
@@ -71,6 +74,8 @@ class Speculator:
         max_model_len = scheduler.config.max_model_len
         drafted = free = kinds = None
         self._kinds = {}
+        self._drafter_work = (0, 0)
+        self._backlog = {}
         if self.controller is not None:
             caps = [draft_limit(r, max_model_len) for r in decoding]
             if self._free_drafter:
@@ -83,7 +88,14 @@ class Speculator:
                 free = self.proposer.free_drafts(decoding, caps)  # per request: (drafts, kind) or None
                 caps = [c if f is None else len(f[0]) for f, c in zip(free, caps)]
                 kinds = [HEAD_KIND if f is None else f[1] for f in free]
-            ks = self.controller.choose(decoding, _base_shape(scheduler, decoding), caps, kinds)
+            backlog = None
+            if not self._free_drafter:   # a model drafter: the rows it would first catch up on
+                backlog = self.proposer.backlog(decoding) or [0] * len(decoding)
+                if free is not None:
+                    backlog = [b if f is None else None for b, f in zip(backlog, free)]
+            ks = self.controller.choose(decoding, _base_shape(scheduler, decoding), caps, kinds, backlog)
+            self._backlog = {} if backlog is None else {
+                r.request_id: b for r, b in zip(decoding, backlog) if b is not None}
             if kinds is not None:
                 self._kinds = {r.request_id: kd for r, k, kd in zip(decoding, ks, kinds) if k > 0}
         else:
@@ -98,12 +110,21 @@ class Speculator:
             return self._merge_free(decoding, ks, free)
         reqs = [r for r, _ in chosen]
         tokens = self.proposer.propose(reqs, [k for _, k in chosen])
+        self._note_drafter_work(reqs, tokens)
         return DraftBatch([r.request_id for r in reqs], tokens, self.proposer.take_draft_probs())
+
+    def _note_drafter_work(self, requests: list[Request], tokens: list[list[int]]) -> None:
+        """What a model drafter ran this step, for the cost model: requests, and rows (each
+        request's backlog, then one row per draft)."""
+        backlog = self._backlog
+        rows = sum(backlog.get(r.request_id, 0) for r in requests) + sum(map(len, tokens))
+        self._drafter_work = (len(requests), rows)
 
     def _merge_free(self, decoding, ks, free) -> DraftBatch:
         """The chosen requests' drafts: free drafts cut to k, the others drafted by the model."""
         model = [(r, k) for r, k, f in zip(decoding, ks, free) if k > 0 and f is None]
         tokens = self.proposer.propose([r for r, _ in model], [k for _, k in model]) if model else []
+        self._note_drafter_work([r for r, _ in model], tokens)
         probs = (self.proposer.take_draft_probs() if model else None) or [None] * len(model)
         drafted = {r.request_id: (t, q) for (r, _), t, q in zip(model, tokens, probs)}
         ids, out, out_probs = [], [], []
@@ -145,7 +166,10 @@ class Speculator:
                                        self._kinds.get(entry.request_id))
         self._kinds = {}
         if controller is not None and step_seconds is not None and sched is not None:
-            controller.observe_step(step_shape(sched), step_seconds)
+            shape = step_shape(sched)
+            if self._drafter_work[0]:
+                shape = replace(shape, draft_requests=self._drafter_work[0], draft_rows=self._drafter_work[1])
+            controller.observe_step(shape, step_seconds)
 
     def on_finished(self, request: Request) -> None:
         if self.proposer is None:

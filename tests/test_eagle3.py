@@ -328,3 +328,26 @@ def test_controller_learns_each_source_apart(dirs) -> None:
     assert any(isinstance(kd, tuple) and kd[0] == "suffix" for kd in kinds)
     assert HEAD_KIND in ctrl.kinds
     assert not ctrl.tracked_requests()  # every kind's row forgotten
+
+
+def test_controller_learns_the_heads_own_cost(dirs) -> None:
+    """Under "auto" every committed step tells the cost model how many requests the head drafted
+    for and how many rows it ran (``StepShape.draft_requests`` / ``draft_rows``: each request's
+    backlog, then one row per draft); suffix drafts beside it are free and not counted."""
+    spec = {**eagle(dirs["head"], k="auto"), "enable_suffix_decoding": True}
+    llm = engine(dirs["target"], spec)
+    eng = llm.engine
+    ctrl = eng.speculator.controller
+    shapes = []
+    observe_step = ctrl.observe_step
+    ctrl.observe_step = lambda shape, seconds: (shapes.append(shape), observe_step(shape, seconds))
+    eng.add_request("chat", "tell me a story about a cat", greedy(24))
+    eng.add_request("rep", "abc " * 12 + "abc", greedy(24))
+    while eng.has_unfinished_requests():
+        eng.step()
+    drafted = [s for s in shapes if s.draft_requests]
+    proposer = eng.speculator.proposer
+    assert drafted and all(1 <= s.draft_requests <= 2 and s.draft_rows >= 0 for s in drafted)
+    # every row the head ran was counted: catch-up rows + draft rows, over the drafted steps
+    head_rows = proposer.num_catchup_tokens + proposer.num_draft_forward_tokens
+    assert sum(s.draft_rows for s in drafted) <= head_rows + sum(s.draft_requests for s in drafted)

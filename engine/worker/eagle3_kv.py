@@ -26,14 +26,15 @@ class HeadState:
     n: int = 0                         # rows of k / v that hold run positions
     next_pos: int = 0                  # positions < next_pos: run, or without tap states
     pending: tuple = ()                # ((first position, aux rows [m, 3 * H_t]), ...) not yet run
+    pending_rows: int = 0              # rows in pending (counted once, read every step)
     last_pos: int = -1                 # position of the last row run
     last_h: torch.Tensor | None = None       # its pre-norm output [H]
     last_logits: torch.Tensor | None = None  # its draft logits [V_draft]
     tokens: list | None = None               # the request's all_token_ids (the scheduler's list, read only)
 
     def snapshot(self) -> tuple:
-        return (self.k, self.v, self.n, self.next_pos, self.pending, self.last_pos, self.last_h, self.last_logits,
-                self.tokens)
+        return (self.k, self.v, self.n, self.next_pos, self.pending, self.pending_rows, self.last_pos, self.last_h,
+                self.last_logits, self.tokens)
 
     def reserve(self, rows: int) -> None:
         """Room for ``rows`` rows past ``n`` (a new buffer when full: a snapshot keeps the old one)."""

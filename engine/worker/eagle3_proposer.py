@@ -115,13 +115,15 @@ class Eagle3Proposer(BaseProposer):
             if skip >= valid:
                 continue
             pending = st.pending + ((start + skip, rows[skip:]),)
-            excess = sum(r.shape[0] for _, r in pending) - MAX_PENDING_ROWS  # a long stretch without drafting
+            total = st.pending_rows + valid - skip
+            excess = total - MAX_PENDING_ROWS  # a long stretch without drafting
             while excess > 0:
                 first, rows = pending[0]
                 cut = min(excess, rows.shape[0])
                 pending = ((first + cut, rows[cut:]),) + pending[1:] if cut < rows.shape[0] else pending[1:]
                 excess -= cut
-            st.pending = pending
+                total -= cut
+            st.pending, st.pending_rows = pending, total
 
     # ---- Proposer interface ----
     @torch.inference_mode()
@@ -182,6 +184,14 @@ class Eagle3Proposer(BaseProposer):
             if d and len(d) >= min(ks[i], SUFFIX_MIN_DRAFT):
                 out[i] = (d, ("suffix", kinds[i]))
                 self.num_suffix_drafts += 1
+        return out
+
+    def backlog(self, requests: Sequence[Request]) -> list[int]:
+        """Per request, the queued tap rows before the one that gives draft 1 (``spec.proposer``)."""
+        out = []
+        for r in requests:
+            st = self._state.get(r.request_id)
+            out.append(0 if st is None else max(0, st.pending_rows - 1))
         return out
 
     def take_draft_probs(self) -> list[torch.Tensor | None] | None:
@@ -245,14 +255,16 @@ class Eagle3Proposer(BaseProposer):
         """Run every queued tap row of ``states`` in rounds of at most ``max_batch_tokens`` rows,
         each round one head forward over one piece per request (a piece sees the request's K/V
         from earlier rounds, so a request's pieces never share a round)."""
-        queue: list[tuple[int, int, torch.Tensor]] = []
+        runs: list[tuple[int, int, int, list[torch.Tensor]]] = []   # (i, start, end, pieces)
         for i, st in states.items():
             for start, rows in st.pending:
-                if queue and queue[-1][0] == i and queue[-1][1] + queue[-1][2].shape[0] == start:
-                    queue[-1] = (i, queue[-1][1], torch.cat([queue[-1][2], rows]))  # contiguous: one piece
+                if runs and runs[-1][0] == i and runs[-1][2] == start:   # contiguous: one piece
+                    runs[-1][3].append(rows)
+                    runs[-1] = (i, runs[-1][1], start + rows.shape[0], runs[-1][3])
                 else:
-                    queue.append((i, start, rows))
-            st.pending = ()
+                    runs.append((i, start, start + rows.shape[0], [rows]))
+            st.pending, st.pending_rows = (), 0
+        queue = [(i, start, pieces[0] if len(pieces) == 1 else torch.cat(pieces)) for i, start, _, pieces in runs]
         while queue:
             budget, round_, later, taken = self.max_batch_tokens, [], [], set()
             for i, start, rows in queue:
