@@ -39,8 +39,7 @@ solving again while nothing it depends on has moved: the same requests with the 
 caps no larger (fewer candidates cannot raise the optimum), the same ``base``, no new verdict
 (``observe``) and no refit of the cost model, for at most ``HOLD_STEPS`` steps. What still moves
 inside a hold is slow (the engine-wide estimates decaying toward the prior) or only makes drafts
-dearer (contexts growing, a model drafter's backlog growing), so a request resumes drafting at
-most ``HOLD_STEPS`` steps late.
+dearer (contexts growing), so a request resumes drafting at most ``HOLD_STEPS`` steps late.
 The point is the steps where speculation is off — open chat with a model drafter at batch 1,
 where a full solve every ~5 ms step cost ~3 % (benches/RESULTS.md, "Controller overhead").
 
@@ -231,16 +230,15 @@ class AdaptiveSpecController:
         return [a if a > 0 else 0 for a in out]
 
     def step_costs(self, requests: Sequence[Request], base: StepShape = _EMPTY,
-                   max_drafts: int | None = None, backlog: Sequence[int | None] | None = None
+                   max_drafts: int | None = None, model_drafted: Sequence[bool] | None = None
                    ) -> tuple[list[float], list[list[float]]]:
         """g(D) for D = 0..max_drafts (default B * max_k) and c_{i,j} for j < max_k, for these
         decoding requests on top of ``base`` (module docstring).
 
         Request i decodes one row after ``num_computed_tokens`` cached tokens; its draft j is the
-        row after that and attends ``context + j + 2`` keys. ``backlog[i]``: None when its drafts
-        are free, else the rows a model drafter would first catch up on for it; the drafter's cost
-        is added (``StepCostModel.drafter_weights``: per request and backlog on the first draft,
-        one row per draft)."""
+        row after that and attends ``context + j + 2`` keys. ``model_drafted[i]``: its drafts would
+        come from a model drafter, whose cost is added (``StepCostModel.drafter_weights``: per
+        request on the first draft, per row on every draft)."""
         ctx = [r.num_computed_tokens for r in requests]
         b = len(requests)
         decode_keys = (sum(ctx) + b) / 1000.0          # request_attention(ctx, 1) each
@@ -251,12 +249,12 @@ class AdaptiveSpecController:
         w = model.attention_weight / 1000.0
         span = range(2, self.max_k + 2)
         rows = [[w * (c + j) for j in span] for c in ctx]
-        if backlog is not None:
+        if model_drafted is not None and any(model_drafted):
             per_request, per_row = model.drafter_weights
-            for row, behind in zip(rows, backlog):
-                if behind is not None:
+            for row, drafted in zip(rows, model_drafted):
+                if drafted:
                     row[:] = [x + per_row for x in row]
-                    row[0] += per_request + per_row * behind
+                    row[0] += per_request
         return g, rows
 
     def estimator(self, kind: Hashable = None) -> AcceptanceEstimator:
@@ -268,14 +266,14 @@ class AdaptiveSpecController:
 
     def choose(self, requests: Sequence[Request], base: StepShape | None = None,
                caps: Sequence[int] | None = None, kinds: Sequence[Hashable] | None = None,
-               backlog: Sequence[int | None] | None = None) -> list[int]:
+               model_drafted: Sequence[bool] | None = None) -> list[int]:
         """Drafts to propose for each request next step (``0 <= k_i <= cap_i``).
 
         base: what the step carries besides the listed requests' 1 + k_i rows (prefill chunks,
         non-speculating requests). kinds: per request, the kind of the draft it would verify
-        (``spec.proposer``; None: one kind for all). backlog: per request, None if its drafts are
-        free, else the rows a model drafter would catch up on first (``step_costs``; None: all
-        free). Call once per engine step.
+        (``spec.proposer``; None: one kind for all). model_drafted: per request, whether a model
+        drafter would draft it (its cost is then priced, ``step_costs``; None: no one). Call once
+        per engine step.
         """
         base = _EMPTY if base is None else base
         if base.tokens < 0 or base.requests < 0 or base.logit_rows < 0 or base.attention < 0:
@@ -294,7 +292,7 @@ class AdaptiveSpecController:
                 hist[0] = hist.get(0, 0) + b
             return self.last_plan.k
         inputs = (tuple(r.request_id for r in requests), None if kinds is None else tuple(kinds),
-                  None if backlog is None else tuple(b is None for b in backlog), base, self._num_verdicts,
+                  None if model_drafted is None else tuple(model_drafted), base, self._num_verdicts,
                   self.cost_model.version)
         hold = self._hold
         if (hold is not None and hold[0] == inputs and self.step - hold[2] < HOLD_STEPS
@@ -303,7 +301,7 @@ class AdaptiveSpecController:
             hist[0] = hist.get(0, 0) + b
             return self.last_plan.k
         ests, rows, probs = self._estimates(requests, kinds)
-        g, row_costs = self.step_costs(requests, base, sum(cap), backlog)
+        g, row_costs = self.step_costs(requests, base, sum(cap), model_drafted)
         k, num, den = optimal_draft_lengths(probs, cap, g, row_costs)
         n_probes, num, den = self._add_probes(k, cap, ests, rows, num, den, g, row_costs)
         self.last_plan = Plan(k, num, den, num / den, n_probes)

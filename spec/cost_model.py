@@ -19,11 +19,13 @@ Shape of a step (``StepShape``, built from a ``SchedulerOutput`` by ``step_shape
   the first few rows of a GEMM are almost free (the weights are streamed once either way) and
   each further row costs compute;
 * ``draft_requests`` / ``draft_rows``: requests a model drafter (draft model, EAGLE-3 head) drafted
-  for in this step, and the rows it ran for them (catching up on the positions committed since it
-  last ran, then one row per draft). Drafting is part of the step's wall time, and a model
-  drafter's cost is per drafted request (dispatch of its small ops: on a CPU mostly Python) and
-  per row it runs (a request back to drafting after a long pause first runs its whole backlog),
-  not per verify row, so it gets its own terms; free drafters (n-gram, suffix) leave them at 0.
+  for in this step, and the draft rows it ran for them. Drafting is part of the step's wall time,
+  and a model drafter's cost is per drafted request (catching up on the positions committed
+  since it last ran, dispatch of its small ops: on a CPU mostly Python) and per draft row, not
+  per verify row, so it gets its own terms; free drafters (n-gram, suffix) leave them at 0. A
+  long catch-up (a request back to drafting after a pause) is not priced on its own: it is paid
+  once and buys every later step's drafts, which a per-step price would forbid for good (the
+  longer the pause, the dearer the way back).
 
 Model: ``cost = w . phi(shape)``, ``phi = [1, requests, tokens, logit_rows, attention, hinges...,
 draft_requests, draft_rows]``,
@@ -287,7 +289,7 @@ class StepCostModel:
 
     @property
     def drafter_weights(self) -> tuple[float, float]:
-        """Seconds per request a model drafter drafts for, and per row it runs."""
+        """Seconds per request a model drafter drafts for, and per draft row it runs."""
         w = self._current()
         return w[_DRAFT_REQUESTS], w[_DRAFT_REQUESTS + 1]
 

@@ -52,11 +52,6 @@ class Proposer(Protocol):
         None (see the module doc)."""
         ...
 
-    def backlog(self, requests: Sequence[Request]) -> list[int] | None:
-        """Per request, the rows a model drafter would run to catch up on committed positions
-        before its first draft (the controller prices them), or None for a free drafter."""
-        ...
-
     def on_finished(self, request: Request) -> None:
         """The request finished or was aborted (free its state, feed a global cache)."""
         ...
@@ -82,9 +77,6 @@ class BaseProposer:
         return None
 
     def take_draft_kinds(self) -> list[Hashable] | None:
-        return None
-
-    def backlog(self, requests: Sequence[Request]) -> list[int] | None:
         return None
 
     def on_finished(self, request: Request) -> None:

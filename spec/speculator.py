@@ -52,8 +52,7 @@ class Speculator:
         self._free_drafter = config is not None and config.method in ("ngram", "suffix")
         self._hybrid = config is not None and config.enable_suffix_decoding
         self._kinds: dict[str, Hashable] = {}  # this step's drafted requests: the kind of their drafts
-        self._drafter_work = (0, 0)  # this step's requests a model drafter drafted for, rows it ran
-        self._backlog: dict[str, int] = {}  # this step's model-drafted requests: rows behind (controller)
+        self._drafter_work = (0, 0)  # this step's requests a model drafter drafted for, its draft rows
         self._saved_controller = None
         self.stats = SpecDecodingStats()
 
@@ -75,7 +74,6 @@ class Speculator:
         drafted = free = kinds = None
         self._kinds = {}
         self._drafter_work = (0, 0)
-        self._backlog = {}
         if self.controller is not None:
             caps = [draft_limit(r, max_model_len) for r in decoding]
             if self._free_drafter:
@@ -88,14 +86,9 @@ class Speculator:
                 free = self.proposer.free_drafts(decoding, caps)  # per request: (drafts, kind) or None
                 caps = [c if f is None else len(f[0]) for f, c in zip(free, caps)]
                 kinds = [HEAD_KIND if f is None else f[1] for f in free]
-            backlog = None
-            if not self._free_drafter:   # a model drafter: the rows it would first catch up on
-                backlog = self.proposer.backlog(decoding) or [0] * len(decoding)
-                if free is not None:
-                    backlog = [b if f is None else None for b, f in zip(backlog, free)]
-            ks = self.controller.choose(decoding, _base_shape(scheduler, decoding), caps, kinds, backlog)
-            self._backlog = {} if backlog is None else {
-                r.request_id: b for r, b in zip(decoding, backlog) if b is not None}
+            model_drafted = (None if self._free_drafter else [f is None for f in free] if free is not None
+                             else [True] * len(decoding))
+            ks = self.controller.choose(decoding, _base_shape(scheduler, decoding), caps, kinds, model_drafted)
             if kinds is not None:
                 self._kinds = {r.request_id: kd for r, k, kd in zip(decoding, ks, kinds) if k > 0}
         else:
@@ -114,11 +107,8 @@ class Speculator:
         return DraftBatch([r.request_id for r in reqs], tokens, self.proposer.take_draft_probs())
 
     def _note_drafter_work(self, requests: list[Request], tokens: list[list[int]]) -> None:
-        """What a model drafter ran this step, for the cost model: requests, and rows (each
-        request's backlog, then one row per draft)."""
-        backlog = self._backlog
-        rows = sum(backlog.get(r.request_id, 0) for r in requests) + sum(map(len, tokens))
-        self._drafter_work = (len(requests), rows)
+        """What a model drafter did this step, for the cost model: requests, and draft rows."""
+        self._drafter_work = (len(requests), sum(map(len, tokens)))
 
     def _merge_free(self, decoding, ks, free) -> DraftBatch:
         """The chosen requests' drafts: free drafts cut to k, the others drafted by the model."""

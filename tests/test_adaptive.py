@@ -379,26 +379,26 @@ def test_acceptance_is_learnt_per_draft_kind():
 
 def test_a_model_drafters_own_cost_is_learnt_and_priced():
     """The engine's start-up prior knows nothing of drafting; steps where a model drafter ran for
-    r requests (``StepShape.draft_requests``) cost 0.05 each more, and each row it ran 0.02. After
+    r requests (``StepShape.draft_requests``) cost 0.3 each more, and each draft row 0.05. After
     those steps the controller prices a model-drafted request's drafts with those costs: at
-    acceptance 0.5 the drafts of a request 30 rows behind stop paying, while those of a request
-    with no backlog and the same request's free drafts (n-gram, suffix) still do."""
+    acceptance 0.5 they stop paying, while the same request's free drafts (n-gram, suffix) still
+    do."""
     prior = synthetic_model(step=1.0, per_logit_row=0.1)
-    truth = synthetic_model(step=1.0, per_logit_row=0.1, per_draft_request=0.05, per_draft_row=0.02)
+    truth = synthetic_model(step=1.0, per_logit_row=0.1, per_draft_request=0.3, per_draft_row=0.05)
     ctrl = _ctrl(prior, probe_interval=0)
-    reqs = _reqs(3)
-    assert all(ctrl.choose(reqs, backlog=[None, 0, 30]))      # the prior: drafting is free
+    reqs = _reqs(2)
+    assert all(ctrl.choose(reqs, model_drafted=[False, True]))      # the prior: drafting is free
     rng = random.Random(5)
     for _ in range(300):
         b = rng.randint(1, 4)
         k = rng.randint(0, 4)
         dr = rng.randint(0, b) if k else 0
-        shape = StepShape(b, b * (1 + k), b * (1 + k), 0.0, dr, dr * k + rng.randint(0, 20) * dr)
+        shape = StepShape(b, b * (1 + k), b * (1 + k), 0.0, dr, dr * k)
         ctrl.observe_step(shape, truth.cost(shape))
     per_request, per_row = ctrl.cost_model.drafter_weights
-    assert (per_request, per_row) == pytest.approx(truth.drafter_weights, rel=0.02)  # ~(0.05, 0.02)
-    ks = ctrl.choose(reqs, backlog=[None, 0, 30])
-    assert ks[0] > 0 and ks[1] > 0 and ks[2] == 0
+    assert (per_request, per_row) == pytest.approx(truth.drafter_weights, rel=0.05)  # ~(0.3, 0.05)
+    ks = ctrl.choose(reqs, model_drafted=[False, True])
+    assert ks[0] > 0 and ks[1] == 0
 
 
 def test_all_zero_plans_are_held_until_something_moves(monkeypatch):

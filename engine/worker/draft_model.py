@@ -136,17 +136,6 @@ class DraftModelProposer(BaseProposer):
         probs, self._probs = self._probs, None
         return probs
 
-    def backlog(self, requests: Sequence[Request]) -> list[int]:
-        """Per request, the committed positions to run before the one that gives draft 1
-        (``spec.proposer``; read only: ``_state_of``'s rules without its bookkeeping)."""
-        out = []
-        for r in requests:
-            st = self._state.get(r.request_id)
-            fresh = st is None or st.num_preemptions != r.num_preemptions
-            done = 0 if fresh else min(st.num_computed, r.num_computed_tokens)
-            out.append(max(0, r.num_tokens - done - 1))
-        return out
-
     def on_finished(self, request: Request) -> None:
         self._state.pop(request.request_id, None)
 

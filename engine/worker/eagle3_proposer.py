@@ -186,14 +186,6 @@ class Eagle3Proposer(BaseProposer):
                 self.num_suffix_drafts += 1
         return out
 
-    def backlog(self, requests: Sequence[Request]) -> list[int]:
-        """Per request, the queued tap rows before the one that gives draft 1 (``spec.proposer``)."""
-        out = []
-        for r in requests:
-            st = self._state.get(r.request_id)
-            out.append(0 if st is None else max(0, st.pending_rows - 1))
-        return out
-
     def take_draft_probs(self) -> list[torch.Tensor | None] | None:
         """Per request of the last ``propose``: q ``[len(drafts), V]`` float32, or None. Handed over once."""
         probs, self._probs = self._probs, None
