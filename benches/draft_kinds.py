@@ -78,7 +78,8 @@ def main(argv=None) -> dict:
                 per[kind] = {"drafts": n, "first_accepted": first / n, "mean_accepted": acc / n}
                 rows.append([workload, name, kind, n, f"{first / n:.2f}", f"{acc / n:.2f}"])
             result["workloads"].setdefault(workload, {})[name] = per
-    print_table(["workload", "drafter", "kind (match length)", "drafts", "first accepted", "mean accepted (k = 4)"], rows)
+    print_table(["workload", "drafter", "kind (match length)", "drafts", "first accepted",
+                 f"mean accepted (k = {args.k})"], rows)
     write_json(args.json, result)
     return result
 
