@@ -86,8 +86,12 @@ class Speculator:
                 free = self.proposer.free_drafts(decoding, caps)  # per request: (drafts, kind) or None
                 caps = [c if f is None else len(f[0]) for f, c in zip(free, caps)]
                 kinds = [HEAD_KIND if f is None else f[1] for f in free]
-            model_drafted = (None if self._free_drafter else [f is None for f in free] if free is not None
-                             else [True] * len(decoding))
+            if self._free_drafter:
+                model_drafted = None                          # drafts that cost nothing
+            elif free is not None:
+                model_drafted = [f is None for f in free]     # the head drafts where no free draft is
+            else:
+                model_drafted = [True] * len(decoding)
             ks = self.controller.choose(decoding, _base_shape(scheduler, decoding), caps, kinds, model_drafted)
             if kinds is not None:
                 self._kinds = {r.request_id: kd for r, k, kd in zip(decoding, ks, kinds) if k > 0}
