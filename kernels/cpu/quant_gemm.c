@@ -213,7 +213,10 @@ int tb_linear(const Lin *L, const float *x, int64_t m, int64_t k, int64_t n, flo
     }
     nthreads = tb_team(m, nthreads);
     const tile_fn *tiles = L->fmt == 4 ? Q4_TILES : Q8_TILES;
+    /* row blocks of equal size (68 rows: 34 + 34, not 64 + 4, which with rows outer gave one
+     * thread 64 rows and the other 4: a 2-thread step of 65-80 rows ran at 1-thread speed) */
     const int64_t nblocks = (n + NB - 1) / NB, mblocks = (m + MBLOCK - 1) / MBLOCK;
+    const int64_t mbs = (m + mblocks - 1) / mblocks;
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
@@ -221,12 +224,12 @@ int tb_linear(const Lin *L, const float *x, int64_t m, int64_t k, int64_t n, flo
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < mblocks * nblocks; item++) {
             const int64_t mb = item / nblocks, b = item % nblocks;
-            const int64_t m_end = (mb + 1) * MBLOCK < m ? (mb + 1) * MBLOCK : m;
+            const int64_t m_end = (mb + 1) * mbs < m ? (mb + 1) * mbs : m;
             float res[TILE_M][NB];
             /* tiles as even as possible: 9 rows as 5 + 4, not 8 + 1 (whose 1-row tile re-streams
              * the block for one row; a 9-row verify: forward 9.1 -> 7.9 ms at 1 thread, AVX-512) */
-            const int64_t mm = m_end - mb * MBLOCK, nt = (mm + TILE_M - 1) / TILE_M;
-            for (int64_t ti = 0, m0 = mb * MBLOCK; ti < nt; ti++) {
+            const int64_t mm = m_end - mb * mbs, nt = (mm + TILE_M - 1) / TILE_M;
+            for (int64_t ti = 0, m0 = mb * mbs; ti < nt; ti++) {
                 const int rm = (int)(mm / nt + (ti < mm % nt));
                 tiles[rm - 1](&rows, m0, L, b, res);
                 store_tile((const float(*)[NB])res, rm, L, m0, b, n, out, accumulate);
