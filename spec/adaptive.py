@@ -178,19 +178,14 @@ class AdaptiveSpecController:
         cap = self.caps_for(requests, caps)
         hist = self.k_histogram
         if not any(cap):   # nothing to draft (no n-gram match, every request capped at 0): no choice
-            self.last_plan = Plan([0] * b, float(b), 0.0, 0.0)
-            if b:
-                hist[0] = hist.get(0, 0) + b
-            return self.last_plan.k
+            return self._no_drafts(b, 0.0, 0.0)
         inputs = (tuple(r.request_id for r in requests), None if kinds is None else tuple(kinds),
                   None if model_drafted is None else tuple(model_drafted), base, self._num_verdicts,
                   self.cost_model.version)
         hold = self._hold
         if (hold is not None and hold[0] == inputs and self.step - hold[2] < HOLD_STEPS
                 and all(c <= h for c, h in zip(cap, hold[1]))):
-            self.last_plan = Plan([0] * b, float(b), self.last_plan.cost, self.last_plan.ratio)
-            hist[0] = hist.get(0, 0) + b
-            return self.last_plan.k
+            return self._no_drafts(b, self.last_plan.cost, self.last_plan.ratio)
         ests, rows, probs = self._estimates(requests, kinds)
         g, row_costs = self.step_costs(requests, base, sum(cap), model_drafted)
         k, num, den = optimal_draft_lengths(probs, cap, g, row_costs)
@@ -201,15 +196,19 @@ class AdaptiveSpecController:
             hist[kv] = hist.get(kv, 0) + 1
         return k
 
+    def _no_drafts(self, b: int, cost: float, ratio: float) -> list[int]:
+        """A plan of k = 0 for all ``b`` requests, without solving."""
+        self.last_plan = Plan([0] * b, float(b), cost, ratio)
+        if b:
+            self.k_histogram[0] = self.k_histogram.get(0, 0) + b
+        return self.last_plan.k
+
     def _estimates(self, requests: Sequence[Request], kinds: Sequence[Hashable] | None
                    ) -> tuple[list[AcceptanceEstimator], list[Evidence], list[list[float]]]:
         """Per request: the estimator of its draft's kind, its evidence there, a_{i,j}."""
         ids = [r.request_id for r in requests]
-        if kinds is None:
-            rows = self.acceptance.rows(ids, self.step)
-            return [self.acceptance] * len(ids), rows, self.acceptance.probs(rows)
         groups: dict[Hashable, list[int]] = {}
-        for i, kd in enumerate(kinds):
+        for i, kd in enumerate([None] * len(ids) if kinds is None else kinds):
             groups.setdefault(kd, []).append(i)
         ests: list = [None] * len(ids)
         rows: list = [None] * len(ids)
@@ -236,18 +235,17 @@ class AdaptiveSpecController:
         idle.sort(key=lambda t: -t[0])               # most overdue first (stable)
         d0 = sum(k)
         lin = den - g[d0]
-        best, n, hope, extra = num / den, 0, 0.0, 0.0
+        best, n, best_den, hope, extra = num / den, 0, den, 0.0, 0.0
         for m, (_, i) in enumerate(idle, 1):
             hope += ests[i].first_position_upper()   # decide optimistically, report the mean
             extra += row_costs[i][0]
-            r = (num + hope) / (g[d0 + m] + lin + extra)
-            if r > best:
-                best, n = r, m
+            cost = g[d0 + m] + lin + extra
+            if (num + hope) / cost > best:
+                best, n, best_den = (num + hope) / cost, m, cost
         for _, i in idle[:n]:
             k[i] = 1
         self.num_probes += n
-        dens = g[d0 + n] + lin + sum(row_costs[i][0] for _, i in idle[:n])
-        return n, num + sum(ests[i].global_probs()[0] for _, i in idle[:n]), dens
+        return n, num + sum(ests[i].global_probs()[0] for _, i in idle[:n]), best_den
 
     # ---- transactions ----
     def snapshot(self) -> tuple:

@@ -247,14 +247,14 @@ class Eagle3Proposer(BaseProposer):
         """Run every queued tap row of ``states`` in rounds of at most ``max_batch_tokens`` rows,
         each round one head forward over one piece per request (a piece sees the request's K/V
         from earlier rounds, so a request's pieces never share a round)."""
-        runs: list[tuple[int, int, int, list[torch.Tensor]]] = []   # (i, start, end, pieces)
+        runs: list[list] = []   # [i, start, end, pieces]: contiguous pieces, concatenated once
         for i, st in states.items():
             for start, rows in st.pending:
-                if runs and runs[-1][0] == i and runs[-1][2] == start:   # contiguous: one piece
+                if runs and runs[-1][0] == i and runs[-1][2] == start:
+                    runs[-1][2] += rows.shape[0]
                     runs[-1][3].append(rows)
-                    runs[-1] = (i, runs[-1][1], start + rows.shape[0], runs[-1][3])
                 else:
-                    runs.append((i, start, start + rows.shape[0], [rows]))
+                    runs.append([i, start, start + rows.shape[0], [rows]])
             st.pending, st.pending_rows = (), 0
         queue = [(i, start, pieces[0] if len(pieces) == 1 else torch.cat(pieces)) for i, start, _, pieces in runs]
         while queue:
