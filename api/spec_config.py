@@ -12,11 +12,14 @@ method exists here:
 
 Decisions (where vLLM is silent or arbitrary):
 
-* ``num_speculative_tokens`` is the most drafts one request may verify per step. ``"auto"``
-  (or ``adaptive=True``) hands the per-step choice to the speculation-length controller;
-  ``max_spec_tokens`` is then its upper bound. Left unset (None) it means
-  ``suffix_max_tree_depth`` for ``suffix`` (vLLM does the same) and ``DEFAULT_NUM_SPEC_TOKENS``
-  for the other methods (vLLM requires it there).
+* ``num_speculative_tokens`` is the most drafts one request may verify per step. ``"auto"``, the
+  default for every method (None means the same), hands the per-step choice to the
+  speculation-length controller (``spec.adaptive``), whose bound ``max_spec_tokens`` is then
+  ``suffix_max_tree_depth`` for ``suffix`` (vLLM's default k there) and ``AUTO_MAX_SPEC_TOKENS``
+  for the others. An integer fixes k; ``adaptive=True`` with an integer makes it the
+  controller's bound. vLLM requires an integer for the non-suffix methods; here a fixed k loses
+  to plain decoding wherever drafts are poor or the batch is large (benches/RESULTS.md,
+  "Adaptive draft length"), which the controller does not, so it is what a user gets unasked.
 * ``prompt_lookup_min`` / ``prompt_lookup_max``: vLLM defaults both to 5 ("arbitrarily
   chosen", says its source) and, when only one is given, copies it into the other. We keep the
   copy rule in ``from_dict`` (so a vLLM dict means the same thing here) but default to 2..4 when
@@ -40,8 +43,6 @@ import msgspec
 
 Method = Literal["ngram", "suffix", "draft_model", "self_draft", "eagle3"]
 METHODS: tuple[str, ...] = ("ngram", "suffix", "draft_model", "self_draft", "eagle3")
-# Per-step draft cap when num_speculative_tokens is left unset for a non-suffix method.
-DEFAULT_NUM_SPEC_TOKENS = 4
 # Upper bound of the adaptive controller for non-suffix methods under "auto".
 AUTO_MAX_SPEC_TOKENS = 8
 
@@ -72,7 +73,8 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
         model at ``model``), "self_draft" (the first ``draft_num_layers`` layers of the target),
         "eagle3" (an EAGLE-3 draft head at ``model`` reading the target's hidden states; ``model``
         omitted = the head shipped for the default model).
-    num_speculative_tokens: drafts per request per step (>= 1), "auto", or None (method default).
+    num_speculative_tokens: drafts per request per step (>= 1), or "auto" (the default; None means
+        the same): the controller chooses per step and request.
     adaptive: alias for num_speculative_tokens="auto"; with an int, that int is the upper bound.
     prompt_lookup_min / prompt_lookup_max: n-gram sizes tried by "ngram", longest first.
     model: draft model path ("draft_model"), EAGLE-3 head directory ("eagle3", optional).
@@ -89,7 +91,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     method: Method = "ngram"
-    num_speculative_tokens: int | Literal["auto"] | None = None
+    num_speculative_tokens: int | Literal["auto"] | None = "auto"
     adaptive: bool = False
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
@@ -108,17 +110,17 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # ---- derived, never stored ----
     @property
     def is_adaptive(self) -> bool:
-        return self.adaptive or self.num_speculative_tokens == "auto"
+        return self.adaptive or not _is_int(self.num_speculative_tokens)
 
     @property
     def max_spec_tokens(self) -> int:
         """Most drafts one request may get in one step (the controller's upper bound if adaptive)."""
         k = self.num_speculative_tokens
-        if isinstance(k, int):
+        if _is_int(k):
             return k
         if self.method == "suffix" or self.enable_suffix_decoding:
             return self.suffix_max_tree_depth
-        return AUTO_MAX_SPEC_TOKENS if k == "auto" else DEFAULT_NUM_SPEC_TOKENS
+        return AUTO_MAX_SPEC_TOKENS
 
     @property
     def uses_draft_kv(self) -> bool:

@@ -17,7 +17,7 @@ import contextlib
 import json
 import logging
 
-from tokenbudget.cli.generate import SPEC_METHODS, speculative_config_from_args
+from tokenbudget.cli.generate import SPEC_METHODS, num_spec_tokens, speculative_config_from_args
 
 
 def add_parser(sub) -> None:
@@ -40,7 +40,7 @@ def add_parser(sub) -> None:
     p.add_argument("--spec-method", choices=SPEC_METHODS)
     p.add_argument("--spec-model", default=None,
                    help="a draft model (draft_model) or an EAGLE-3 head directory (eagle3)")
-    p.add_argument("--num-spec-tokens", default=None)
+    p.add_argument("--num-spec-tokens", type=num_spec_tokens, default="auto")
     p.add_argument("--speculative-config", default=None)
     p.add_argument("--no-spec", action="store_true")
     p.add_argument("--num-threads", type=int, default=None)

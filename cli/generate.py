@@ -21,6 +21,7 @@ the re-run do not count) are compared. ``--no-compare`` skips the re-run.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -52,7 +53,7 @@ def add_parser(sub) -> None:
                    help="the drafter's files: a draft model (draft_model) or an EAGLE-3 head directory (eagle3)")
     p.add_argument("--no-compare", action="store_true",
                    help="streamed prompt with speculation: skip the re-run without drafts (the speed-up line)")
-    p.add_argument("--num-spec-tokens", default="auto",
+    p.add_argument("--num-spec-tokens", type=num_spec_tokens, default="auto",
                    help="drafts per step, or 'auto' (default: chosen per request and step from the "
                         "engine's measured step costs)")
     p.add_argument("--speculative-config", help="full speculative_config as JSON (overrides --spec-*)")
@@ -71,13 +72,27 @@ def add_parser(sub) -> None:
 SPEC_METHODS = ["ngram", "suffix", "draft_model", "self_draft", "eagle3"]
 
 
+def num_spec_tokens(text: str) -> int | str:
+    """argparse type of ``--num-spec-tokens``: 'auto' or an integer >= 1 (argparse names the
+    flag in its error)."""
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {text!r}")
+    return n
+
+
 def speculative_config_from_args(args) -> dict | None:
     if args.speculative_config:
         return json.loads(args.speculative_config)
     if args.no_spec:
         return None
-    n = "auto" if args.num_spec_tokens is None else args.num_spec_tokens  # serve/bench: no default of their own
-    config = {"method": args.spec_method or "ngram", "num_speculative_tokens": n if n == "auto" else int(n)}
+    n = args.num_spec_tokens
+    config = {"method": args.spec_method or "ngram", "num_speculative_tokens": "auto" if n is None else n}
     if getattr(args, "spec_model", None):
         config["model"] = args.spec_model
     return config

@@ -1,6 +1,6 @@
 """``tokenbudget serve [MODEL]``: the OpenAI-compatible server (needs the ``serve`` extra).
 
-    tokenbudget serve --port 8000 --api-key secret --spec-method ngram --num-spec-tokens 4
+    tokenbudget serve --port 8000 --api-key secret --spec-method ngram   # drafts per step: auto
 
 Engine options are ``LLM``'s, as flags; speculation flags are ``generate``'s. Binds 127.0.0.1
 unless ``--host`` says otherwise. Router-ready (``engine/serve/readiness.py``): the port opens
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from tokenbudget.cli.generate import SPEC_METHODS, speculative_config_from_args
+from tokenbudget.cli.generate import SPEC_METHODS, num_spec_tokens, speculative_config_from_args
 
 
 def add_parser(sub) -> None:
@@ -26,7 +26,8 @@ def add_parser(sub) -> None:
     p.add_argument("--spec-method", choices=SPEC_METHODS)
     p.add_argument("--spec-model", default=None,
                    help="a draft model (draft_model) or an EAGLE-3 head directory (eagle3)")
-    p.add_argument("--num-spec-tokens", default=None, help="drafts per step, or 'auto'")
+    p.add_argument("--num-spec-tokens", type=num_spec_tokens, default="auto",
+                   help="drafts per step, or 'auto' (default: chosen per request and step)")
     p.add_argument("--speculative-config", help="full speculative_config as JSON (overrides --spec-*)")
     p.add_argument("--no-spec", action="store_true", help="disable speculative decoding")
     for flag, kind in (("--dtype", str), ("--device", str), ("--max-model-len", int), ("--max-num-seqs", int),

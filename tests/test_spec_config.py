@@ -10,9 +10,12 @@ from tokenbudget.api.spec_config import SpecConfigError, SpeculativeConfig
 def test_defaults_and_derived():
     c = SpeculativeConfig()
     assert c.method == "ngram" and (c.prompt_lookup_min, c.prompt_lookup_max) == (2, 4)
-    assert c.max_spec_tokens == 4 and not c.is_adaptive
-    assert SpeculativeConfig(method="suffix").max_spec_tokens == 24
-    assert SpeculativeConfig(num_speculative_tokens=7).max_spec_tokens == 7
+    assert c.num_speculative_tokens == "auto" and c.is_adaptive and c.max_spec_tokens == 8
+    assert SpeculativeConfig(num_speculative_tokens=None).max_spec_tokens == 8
+    suffix = SpeculativeConfig(method="suffix")
+    assert suffix.is_adaptive and suffix.max_spec_tokens == 24
+    fixed = SpeculativeConfig(num_speculative_tokens=7)
+    assert fixed.max_spec_tokens == 7 and not fixed.is_adaptive
 
 
 def test_auto_and_adaptive_alias():
