@@ -71,6 +71,25 @@ def test_gemm_matches_reference_and_rows_are_invariant(variant, fmt, n, k, threa
         assert torch.equal(r, y)
 
 
+@pytest.mark.parametrize("m,k", [(150, 64), (700, 1536)])   # 3 row blocks columns outer; rows outer
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemm_rows_across_row_blocks_equal_rows_alone(variant, m, k, threads):
+    """Past 64 rows the work items span several row blocks, split columns outer up to 1 MB of
+    quantized rows and rows outer beyond (quant_gemm.c): either order, every row is bitwise what
+    a 13-row call computes for it."""
+    g = torch.Generator().manual_seed(m)
+    weight = q4_weight(torch.randn(48, k, generator=g) * 0.05)
+    x = torch.randn(m, k, generator=g)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = cg.gemm_q4(x, weight)
+        alone = torch.cat([cg.gemm_q4(x[a:a + 13], weight) for a in range(0, m, 13)])
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(y, alone)
+
+
 def test_activation_quantization_is_q8_per_group_of_32(variant):
     x = torch.randn(3, 128)
     q, d = cg.quantize_activations(x)

@@ -65,6 +65,11 @@ INLINE float half_to_float(uint16_t h) {
 #endif
 
 #define MBLOCK 64 /* rows per work item: a block's quantized rows stay in L2 while the weights stream */
+/* Up to this many bytes of quantized rows (m * k), work items go columns outer: the threads split
+ * W, and each 16-column block of W is read from memory once and reused from L1 by every row
+ * block (rows outer, each row block streams all of W again). Beyond it (a long prefill chunk),
+ * rows outer: the rows would no longer stay in cache across the column blocks. */
+#define COLS_OUTER_ROW_BYTES (1 << 20)
 
 /* The variant this library was built as (native.py checks it). */
 const char *tb_variant(void) { return TB_VARIANT_NAME; }
@@ -197,9 +202,11 @@ void tb_rows_free(XRows *x) {
 }
 
 /* out[m][n] (+)= x[m] . W[n] (+ bias[n]): threads quantize the rows of x, then split the
- * (MBLOCK rows x 16 columns) work items, rows outer: a decode (one row block) splits N, a long
- * prefill gives each thread whole row blocks, which stay in cache while all of W streams past
- * them once. Within an item, tiles of up to TILE_M rows, as even as possible. 0, or -1 when out of memory. */
+ * (MBLOCK rows x 16 columns) work items, columns outer up to COLS_OUTER_ROW_BYTES of rows (a
+ * decode or a verify: the threads split N and W streams once; 96 rows at 2 threads, 39.8 ->
+ * 36.1 ms for the default model's forward, benches/RESULTS.md "C kernels on the CPU"), rows outer
+ * beyond (a long prefill: each thread's row blocks stay in cache while W streams past them).
+ * Within an item, tiles of up to TILE_M rows, as even as possible. 0, or -1 when out of memory. */
 int tb_linear(const Lin *L, const float *x, int64_t m, int64_t k, int64_t n, float *out, int accumulate,
               int nthreads, XRows *scratch) {
     if (m <= 0) return 0;
@@ -217,13 +224,15 @@ int tb_linear(const Lin *L, const float *x, int64_t m, int64_t k, int64_t n, flo
      * thread 64 rows and the other 4: a 2-thread step of 65-80 rows ran at 1-thread speed) */
     const int64_t nblocks = (n + NB - 1) / NB, mblocks = (m + MBLOCK - 1) / MBLOCK;
     const int64_t mbs = (m + mblocks - 1) / mblocks;
+    const int cols_outer = m * k <= COLS_OUTER_ROW_BYTES;
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < m; i++) quantize_row(&rows, x + i * k, i);
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < mblocks * nblocks; item++) {
-            const int64_t mb = item / nblocks, b = item % nblocks;
+            const int64_t mb = cols_outer ? item % mblocks : item / nblocks;
+            const int64_t b = cols_outer ? item / mblocks : item % nblocks;
             const int64_t m_end = (mb + 1) * mbs < m ? (mb + 1) * mbs : m;
             float res[TILE_M][NB];
             /* tiles as even as possible: 9 rows as 5 + 4, not 8 + 1 (whose 1-row tile re-streams
