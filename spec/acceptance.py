@@ -43,12 +43,14 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class Evidence:
-    """One request's decayed successes and trials per position, and the engine step of its last
-    verify that had drafts (``spec.adaptive``'s probing reads it)."""
+    """One request's decayed successes and trials per position, the engine step of its last
+    verify that had drafts, and how many probe intervals it waits before the next probe
+    (``spec.adaptive``'s probing reads and writes both)."""
 
     succ: list[float]
     trials: list[float]
     last_drafted_step: int
+    probe_backoff: int = 1
 
 
 class AcceptanceEstimator:

@@ -24,7 +24,11 @@ a request that has had no drafted verify for ``probe_interval`` steps (and whose
 drafts) is a probe candidate; probes are one draft each, valued at the engine-wide first-position
 rate p_0, and the controller adds the number of probes (most overdue first) that maximises R given
 the chosen plan — so probes are spent only where speculation could pay at the current batch size
-and cost. ``probe_interval=0`` disables probing.
+and cost. ``probe_interval=0`` disables probing. A probe whose draft is rejected doubles that
+request's wait before the next one (up to ``MAX_PROBE_BACKOFF`` intervals) and an accepted one
+resets it: where nothing pays (open chat, where n-gram matches are common and their drafts
+rarely accepted) a request stops paying a verify row every ``probe_interval`` steps, while a
+request whose text starts repeating is still found within a few dozen steps.
 
 Draft kinds. A drafter may label each request's draft (``spec.proposer``: n-gram, the length of
 the matched suffix; suffix decoding, the match length's class; EAGLE-3 with suffix decoding, the
@@ -46,7 +50,7 @@ with the step's shape and measured seconds after the commit, ``forget`` when a r
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +61,7 @@ from tokenbudget.spec.draft_lengths import optimal_draft_lengths
 
 _EMPTY = StepShape(0, 0, 0, 0.0)
 HOLD_STEPS = 8  # longest run of steps an all-zero plan is repeated without solving (module docstring)
+MAX_PROBE_BACKOFF = 8  # most probe intervals a request waits after rejected probes (module docstring)
 
 
 @dataclass(slots=True)
@@ -68,6 +73,20 @@ class Plan:
     cost: float
     ratio: float
     num_probes: int = 0
+
+
+class _Lazy:
+    """A value computed on first call, then kept."""
+
+    __slots__ = ("_fn", "_value")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._fn, self._value = fn, None
+
+    def __call__(self) -> Any:
+        if self._fn is not None:
+            self._value, self._fn = self._fn(), None
+        return self._value
 
 
 class AdaptiveSpecController:
@@ -102,6 +121,7 @@ class AdaptiveSpecController:
         self.last_plan: Plan | None = None
         self._num_verdicts = 0               # observe() calls: any verdict can move an estimate
         self._hold: tuple | None = None      # (inputs, caps, step) of the last all-zero plan solved
+        self._probed: frozenset[str] = frozenset()   # the requests the last plan probes
 
     @classmethod
     def from_config(cls, config: Any, cost_model: StepCostModel, **kwargs: Any
@@ -132,11 +152,8 @@ class AdaptiveSpecController:
         request on the first draft, per row on every draft)."""
         ctx = [r.num_computed_tokens for r in requests]
         b = len(requests)
-        decode_keys = (sum(ctx) + b) / 1000.0          # request_attention(ctx, 1) each
-        zero = StepShape(base.requests + b, base.tokens + b, base.logit_rows + b,
-                         base.attention + decode_keys)
         model = self.cost_model
-        g = model.token_curve(zero, b * self.max_k if max_drafts is None else max_drafts)
+        g = model.token_curve(self._zero_shape(requests, base), b * self.max_k if max_drafts is None else max_drafts)
         w = model.attention_weight / 1000.0
         span = range(2, self.max_k + 2)
         rows = [[w * (c + j) for j in span] for c in ctx]
@@ -147,6 +164,13 @@ class AdaptiveSpecController:
                     row[:] = [x + per_row for x in row]
                     row[0] += per_request
         return g, rows
+
+    @staticmethod
+    def _zero_shape(requests: Sequence[Request], base: StepShape) -> StepShape:
+        """The step without drafts: ``base`` and one decode row per request."""
+        b = len(requests)
+        decode_keys = (sum(r.num_computed_tokens for r in requests) + b) / 1000.0  # request_attention(ctx, 1) each
+        return StepShape(base.requests + b, base.tokens + b, base.logit_rows + b, base.attention + decode_keys)
 
     def estimator(self, kind: Hashable = None) -> AcceptanceEstimator:
         """The acceptance estimator of drafts of ``kind`` (created at the prior on first use)."""
@@ -177,6 +201,7 @@ class AdaptiveSpecController:
         b = len(requests)
         cap = self.caps_for(requests, caps)
         hist = self.k_histogram
+        self._probed = frozenset()
         if not any(cap):   # nothing to draft (no n-gram match, every request capped at 0): no choice
             return self._no_drafts(b, 0.0, 0.0)
         inputs = (tuple(r.request_id for r in requests), None if kinds is None else tuple(kinds),
@@ -186,11 +211,18 @@ class AdaptiveSpecController:
         if (hold is not None and hold[0] == inputs and self.step - hold[2] < HOLD_STEPS
                 and all(c <= h for c, h in zip(cap, hold[1]))):
             return self._no_drafts(b, self.last_plan.cost, self.last_plan.ratio)
-        ests, rows, probs = self._estimates(requests, kinds)
-        g, row_costs = self.step_costs(requests, base, sum(cap), model_drafted)
-        k, num, den = optimal_draft_lengths(probs, cap, g, row_costs)
-        n_probes, num, den = self._add_probes(k, cap, ests, rows, num, den, g, row_costs)
-        self.last_plan = Plan(k, num, den, num / den, n_probes)
+        ests, rows = self._evidence(requests, kinds)
+        costs = _Lazy(lambda: self.step_costs(requests, base, sum(cap), model_drafted))
+        g0 = None if model_drafted is not None and any(model_drafted) else self._no_draft_cost(
+            requests, base, cap, ests, rows)
+        if g0 is not None:      # no first draft pays, so no draft does: k = 0 without solving
+            k, num, den = [0] * b, float(b), g0
+        else:
+            g, row_costs = costs()
+            k, num, den = optimal_draft_lengths(self._probs(ests, rows), cap, g, row_costs)
+        probed, num, den = self._add_probes(k, cap, ests, rows, num, den, costs)
+        self._probed = frozenset(requests[i].request_id for i in probed)
+        self.last_plan = Plan(k, num, den, num / den, len(probed))
         self._hold = None if any(k) else (inputs, cap, self.step)
         for kv in k:
             hist[kv] = hist.get(kv, 0) + 1
@@ -203,35 +235,68 @@ class AdaptiveSpecController:
             self.k_histogram[0] = self.k_histogram.get(0, 0) + b
         return self.last_plan.k
 
-    def _estimates(self, requests: Sequence[Request], kinds: Sequence[Hashable] | None
-                   ) -> tuple[list[AcceptanceEstimator], list[Evidence], list[list[float]]]:
-        """Per request: the estimator of its draft's kind, its evidence there, a_{i,j}."""
-        ids = [r.request_id for r in requests]
-        groups: dict[Hashable, list[int]] = {}
-        for i, kd in enumerate([None] * len(ids) if kinds is None else kinds):
-            groups.setdefault(kd, []).append(i)
-        ests: list = [None] * len(ids)
-        rows: list = [None] * len(ids)
-        probs: list = [None] * len(ids)
-        for kd, idx in groups.items():
-            est = self.estimator(kd)
-            rs = est.rows([ids[i] for i in idx], self.step)
-            for i, r, p in zip(idx, rs, est.probs(rs)):
-                ests[i], rows[i], probs[i] = est, r, p
-        return ests, rows, probs
+    def _evidence(self, requests: Sequence[Request], kinds: Sequence[Hashable] | None
+                  ) -> tuple[list[AcceptanceEstimator], list[Evidence]]:
+        """Per request: the estimator of its draft's kind and its evidence there."""
+        step = self.step
+        if kinds is None:
+            est = self.acceptance
+            return [est] * len(requests), est.rows([r.request_id for r in requests], step)
+        ests = [self.estimator(kd) for kd in kinds]
+        return ests, [est.row(r.request_id, step) for est, r in zip(ests, requests)]
+
+    @staticmethod
+    def _probs(ests: list[AcceptanceEstimator], rows: list[Evidence]) -> list[list[float]]:
+        """a_{i,j} per request, one ``probs`` call per estimator."""
+        groups: dict[int, list[int]] = {}
+        for i, est in enumerate(ests):
+            groups.setdefault(id(est), []).append(i)
+        out: list = [None] * len(rows)
+        for idx in groups.values():
+            for i, p in zip(idx, ests[idx[0]].probs([rows[i] for i in idx])):
+                out[i] = p
+        return out
+
+    def _no_draft_cost(self, requests: Sequence[Request], base: StepShape, cap: list[int],
+                       ests: list[AcceptanceEstimator], rows: list[Evidence]) -> float | None:
+        """g(0), the cost of the step without drafts, if no request's first draft returns more
+        tokens per second than that step (a_{i,0} <= R_0 (g(1) - g(0) + c_{i,0}), R_0 = B / g(0));
+        None if one does. Then no set of drafts does either: along a row acceptance products
+        fall and (free drafters) row costs rise, g's increments rise (convex), so every draft in a
+        set returns at most R_0 times the increment it can be charged, and the set's ratio is at
+        most R_0. This is most steps of open chat, where n-gram matches are common and rarely
+        pay: the test costs a few operations per request, the solve ~4x that (~57 us a step at
+        batch 4)."""
+        b = len(requests)
+        g = self.cost_model.token_curve(self._zero_shape(requests, base), 1)
+        r0, dg, w = b / g[0], g[1] - g[0], self.cost_model.attention_weight / 1000.0
+        first = {}
+        for est, e, c, r in zip(ests, rows, cap, requests):
+            if c:
+                p0 = first.get(id(est))
+                if p0 is None:
+                    p0 = first[id(est)] = est.prior_strength * est.global_probs()[0]
+                s = est.prior_strength
+                if (p0 + e.succ[0]) / (s + e.trials[0]) > r0 * (dg + w * (r.num_computed_tokens + 2)):
+                    return None
+        return g[0]
 
     def _add_probes(self, k: list[int], cap: list[int], ests: list[AcceptanceEstimator],
-                    rows: list[Evidence], num: float, den: float, g: list[float],
-                    row_costs: list[list[float]]) -> tuple[int, float, float]:
+                    rows: list[Evidence], num: float, den: float,
+                    costs: Callable[[], tuple[list[float], list[list[float]]]]
+                    ) -> tuple[list[int], float, float]:
         """Give k=1 to the overdue idle requests worth probing (modifies ``k``); returns their
-        number and the plan's new numerator and denominator."""
+        indices and the plan's new numerator and denominator. Overdue: ``probe_interval`` steps
+        times the request's backoff since its last drafted verify. ``costs``: g and c_{i,j}
+        (``step_costs``), asked for only if some request is overdue."""
         if self.probe_interval == 0:
-            return 0, num, den
+            return [], num, den
         step, interval = self.step, self.probe_interval
         idle = [(step - e.last_drafted_step, i) for i, e in enumerate(rows)
-                if k[i] == 0 and cap[i] >= 1 and step - e.last_drafted_step >= interval]
+                if k[i] == 0 and cap[i] >= 1 and step - e.last_drafted_step >= interval * e.probe_backoff]
         if not idle:
-            return 0, num, den
+            return [], num, den
+        g, row_costs = costs()
         idle.sort(key=lambda t: -t[0])               # most overdue first (stable)
         d0 = sum(k)
         lin = den - g[d0]
@@ -242,19 +307,21 @@ class AdaptiveSpecController:
             cost = g[d0 + m] + lin + extra
             if (num + hope) / cost > best:
                 best, n, best_den = (num + hope) / cost, m, cost
-        for _, i in idle[:n]:
+        probed = [i for _, i in idle[:n]]
+        for i in probed:
             k[i] = 1
         self.num_probes += n
-        return n, num + sum(ests[i].global_probs()[0] for _, i in idle[:n]), best_den
+        return probed, num + sum(ests[i].global_probs()[0] for i in probed), best_den
 
     # ---- transactions ----
     def snapshot(self) -> tuple:
         """Everything ``choose`` changes, so a failed engine step can put it back."""
         return (self.step, {kd: est.snapshot() for kd, est in self._by_kind.items()},
-                dict(self.k_histogram), self.num_probes, self.last_plan, self._hold)
+                dict(self.k_histogram), self.num_probes, self.last_plan, self._hold, self._probed)
 
     def restore(self, saved: tuple) -> None:
-        self.step, estimators, self.k_histogram, self.num_probes, self.last_plan, self._hold = saved
+        (self.step, estimators, self.k_histogram, self.num_probes, self.last_plan, self._hold,
+         self._probed) = saved
         self._by_kind = {kd: est for kd, est in self._by_kind.items() if kd in estimators}
         for kd, est in self._by_kind.items():
             est.restore(estimators[kd])
@@ -262,9 +329,13 @@ class AdaptiveSpecController:
     # ---- feedback ----
     def observe(self, request_id: str, num_draft: int, num_accepted: int, kind: Hashable = None) -> None:
         """After the commit: the request verified ``num_draft`` drafts of ``kind``, kept
-        ``num_accepted``."""
-        self.estimator(kind).observe(request_id, num_draft, num_accepted, self.step)
+        ``num_accepted`` (a probe's verdict also sets its backoff, module docstring)."""
+        est = self.estimator(kind)
+        est.observe(request_id, num_draft, num_accepted, self.step)
         self._num_verdicts += 1
+        if request_id in self._probed and num_draft:
+            e = est.row(request_id, self.step)
+            e.probe_backoff = 1 if num_accepted else min(2 * e.probe_backoff, MAX_PROBE_BACKOFF)
 
     def observe_step(self, shape: StepShape, seconds: float) -> None:
         """The engine's measured step: it carried ``shape`` and took ``seconds``."""

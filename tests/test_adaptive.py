@@ -226,6 +226,31 @@ def test_stopped_request_resumes_when_acceptance_improves(seed):
     assert ctrl.num_probes > 0
 
 
+def test_rejected_probes_back_off_and_an_accepted_probe_resets():
+    """Each rejected probe doubles the request's wait (probe_interval x 2, 4, up to
+    MAX_PROBE_BACKOFF); an accepted probe resets the wait, and accepted drafts resume drafting."""
+    from tokenbudget.spec.adaptive import MAX_PROBE_BACKOFF
+    ctrl = _ctrl(synthetic_model(step=0.7, per_logit_row=0.3))  # a draft pays iff its m > 0.3
+    reqs = _reqs(1)
+    probes, drafted = [], []
+    for _ in range(500):
+        n = ctrl.num_probes
+        (k,) = ctrl.choose(reqs)
+        if ctrl.num_probes > n:
+            probes.append(ctrl.step)
+        if k:
+            drafted.append(ctrl.step)
+        ctrl.observe("r0", k, k if ctrl.step > 300 else 0)   # every draft rejected until step 300
+    before = [p for p in probes if p <= 300]
+    gaps = [b - a for a, b in zip(before, before[1:])]
+    interval = ctrl.probe_interval
+    assert gaps == [interval * min(2 ** (i + 1), MAX_PROBE_BACKOFF) for i in range(len(gaps))]
+    first_after = min(p for p in probes if p > 300)
+    assert first_after - before[-1] == interval * MAX_PROBE_BACKOFF
+    assert min(d for d in drafted if d > first_after) <= first_after + interval   # the wait was reset
+    assert drafted[-50:] == list(range(451, 501))                                   # drafting again
+
+
 def test_forget_and_slot_reuse():
     ctrl = _ctrl(FLAT)
     for _ in range(50):
@@ -333,15 +358,37 @@ def test_a_model_drafters_own_cost_is_learnt_and_priced():
     assert ks[0] > 0 and ks[1] == 0
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 12), st.integers(0, 3000), st.floats(0.0, 2.0), st.floats(0.0, 1.0),
+       st.floats(0.0, 1e-3), st.lists(st.floats(0.0, 1.0), min_size=4, max_size=4),
+       st.lists(st.tuples(st.floats(0.0, 20.0), st.floats(0.0, 20.0)), min_size=12, max_size=12))
+def test_zero_plan_shortcut_agrees_with_the_solver(b, ctx, step, hinge, kkey, glob, evidence):
+    """The first-draft test that skips the solve (free drafters) answers k = 0 for all exactly
+    when the exact optimiser does, whatever the costs and the evidence."""
+    cost = synthetic_model(step=step, per_logit_row=0.1, hinges=[hinge, hinge], per_kkey=kkey)
+    ctrl = _ctrl(cost, probe_interval=0)
+    reqs = _reqs(b, context=ctx)
+    ctrl.acceptance.global_succ[:] = [g * 50 for g in glob]
+    ctrl.acceptance.global_trials[:] = [50.0] * 4
+    for r, (succ, fail) in zip(reqs, evidence):
+        e = ctrl.acceptance.row(r.request_id)
+        e.succ, e.trials = [succ] * 4, [succ + fail] * 4
+    caps = [4] * b
+    curve, rc = ctrl.step_costs(reqs, max_drafts=4 * b)
+    want = optimal_draft_lengths(ctrl.acceptance.probs(ctrl.acceptance.rows([r.request_id for r in reqs])),
+                                 caps, curve, rc)[0]
+    assert (ctrl.choose(reqs, caps=caps) == [0] * b) == (want == [0] * b)
+
+
 def test_all_zero_plans_are_held_until_something_moves(monkeypatch):
     """A plan of k = 0 for everyone is repeated without solving for up to HOLD_STEPS steps, and
     solved again at once when a verdict arrives, the requests, their kinds or the step's other
     work change, or a cap grows."""
     import tokenbudget.spec.adaptive as adaptive
     calls = []
-    real = adaptive.optimal_draft_lengths
-    monkeypatch.setattr(adaptive, "optimal_draft_lengths", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     ctrl = _ctrl(synthetic_model(step=1.0, per_logit_row=0.5), probe_interval=0)
+    real = ctrl._evidence   # read on every decision that is not held
+    monkeypatch.setattr(ctrl, "_evidence", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     reqs = _reqs(2)
     for r in reqs:
         for _ in range(50):
