@@ -18,6 +18,14 @@ as the batch grows (a draft must return more than the step's average cost per to
 falls with B); k = 0 for everyone when no draft raises R (a compute-bound step where a verify row
 costs more than it returns).
 
+Sleeping. Most steps of open chat draft nothing, and deciding so still costs: the proposer
+drafts at the cap for every request, then the choice (~100 us a step at batch 4, ~1.5 % of a
+7.5 ms step on the C kernels, benches/RESULTS.md). After Z steps in a row with k = 0 for
+everyone but probes, the next min(Z // ``SLEEP_RAMP``, ``HOLD_STEPS`` - 1) steps skip both (``asleep``):
+a one-step gap sleeps nothing, a long one sleeps 7 steps in 8, and a request resumes drafting
+at most ``HOLD_STEPS`` - 1 steps late. A request that was not in the last zero plan (a new one
+decoding) wakes the controller at once, so it is judged on its own drafts.
+
 Staleness and probing. A request at k = 0 produces no evidence, so its low estimate would
 stick. Two mechanisms let drafting resume: (1) evidence decays (``spec.acceptance``); (2) probing:
 a request that has had no drafted verify for ``probe_interval`` steps (and whose cap allows
@@ -43,8 +51,8 @@ Per-request control: ``Request.max_spec_tokens`` (None = engine default ``max_k`
 caps k_i; ``choose(..., caps=...)`` takes further caps (``scheduler.drafts.draft_limit``, or the
 length of the drafts a free drafter actually found) so the plan counts no clipped drafts.
 
-Engine integration (``spec.speculator`` is the glue): ``choose`` before the step with the step's
-other work as ``base`` (a ``StepShape``), ``observe`` per verified request and ``observe_step``
+Engine integration (``spec.speculator`` is the glue): ``asleep``, then (awake) ``choose`` before
+the step with the step's other work as ``base`` (a ``StepShape``), ``observe`` per verified request and ``observe_step``
 with the step's shape and measured seconds after the commit, ``forget`` when a request ends.
 """
 
@@ -52,6 +60,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 from tokenbudget.scheduler.request import Request
@@ -61,6 +70,7 @@ from tokenbudget.spec.draft_lengths import optimal_draft_lengths
 
 _EMPTY = StepShape(0, 0, 0, 0.0)
 HOLD_STEPS = 8  # longest run of steps an all-zero plan is repeated without solving (module docstring)
+SLEEP_RAMP = 8  # steps of k = 0 for everyone per step of sleep (module docstring, "Sleeping")
 MAX_PROBE_BACKOFF = 8  # most probe intervals a request waits after rejected probes (module docstring)
 
 
@@ -73,20 +83,6 @@ class Plan:
     cost: float
     ratio: float
     num_probes: int = 0
-
-
-class _Lazy:
-    """A value computed on first call, then kept."""
-
-    __slots__ = ("_fn", "_value")
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self._fn, self._value = fn, None
-
-    def __call__(self) -> Any:
-        if self._fn is not None:
-            self._value, self._fn = self._fn(), None
-        return self._value
 
 
 class AdaptiveSpecController:
@@ -122,6 +118,9 @@ class AdaptiveSpecController:
         self._num_verdicts = 0               # observe() calls: any verdict can move an estimate
         self._hold: tuple | None = None      # (inputs, caps, step) of the last all-zero plan solved
         self._probed: frozenset[str] = frozenset()   # the requests the last plan probes
+        self._zero_streak = 0                        # steps in a row with k = 0 for everyone
+        self._sleep = 0                              # steps still to sleep (``asleep``)
+        self._sleep_ids: frozenset[str] = frozenset()   # the requests of the last zero plan
 
     @classmethod
     def from_config(cls, config: Any, cost_model: StepCostModel, **kwargs: Any
@@ -195,13 +194,39 @@ class AdaptiveSpecController:
             raise ValueError(f"base must have no negative field, got {base}")
         if kinds is not None and len(kinds) != len(requests):
             raise ValueError(f"kinds has {len(kinds)} entries for {len(requests)} requests")
+        self._next_step()
+        k = self._plan(requests, base, self.caps_for(requests, caps), kinds, model_drafted)
+        if sum(k) > self.last_plan.num_probes:   # drafts that pay (a probe alone does not wake)
+            self._zero_streak = self._sleep = 0
+        else:
+            self._zero_streak += 1
+            self._sleep = min(self._zero_streak // SLEEP_RAMP, HOLD_STEPS - 1)
+            self._sleep_ids = frozenset(r.request_id for r in requests)
+        return k
+
+    def asleep(self, requests: Sequence[Request]) -> bool:
+        """Whether this step skips drafting and choosing altogether (module docstring,
+        "Sleeping"); if so, it counts as a step with k = 0 for these requests. Call instead of
+        ``choose``, before drafting."""
+        if not self._sleep or not self._sleep_ids.issuperset(r.request_id for r in requests):
+            self._sleep = 0
+            return False
+        self._sleep -= 1
+        self._zero_streak += 1
+        self._next_step()
+        self._no_drafts(len(requests), self.last_plan.cost, self.last_plan.ratio)
+        return True
+
+    def _next_step(self) -> None:
         self.step += 1
+        self._probed = frozenset()
         for est in self._by_kind.values():
             est.decay_global()
+
+    def _plan(self, requests: Sequence[Request], base: StepShape, cap: list[int],
+              kinds: Sequence[Hashable] | None, model_drafted: Sequence[bool] | None) -> list[int]:
+        """``choose``'s plan: k = 0 where nothing can be drafted, the held zero plan, or the solve."""
         b = len(requests)
-        cap = self.caps_for(requests, caps)
-        hist = self.k_histogram
-        self._probed = frozenset()
         if not any(cap):   # nothing to draft (no n-gram match, every request capped at 0): no choice
             return self._no_drafts(b, 0.0, 0.0)
         inputs = (tuple(r.request_id for r in requests), None if kinds is None else tuple(kinds),
@@ -212,7 +237,7 @@ class AdaptiveSpecController:
                 and all(c <= h for c, h in zip(cap, hold[1]))):
             return self._no_drafts(b, self.last_plan.cost, self.last_plan.ratio)
         ests, rows = self._evidence(requests, kinds)
-        costs = _Lazy(lambda: self.step_costs(requests, base, sum(cap), model_drafted))
+        costs = cache(lambda: self.step_costs(requests, base, sum(cap), model_drafted))  # once, if asked
         g0 = None if model_drafted is not None and any(model_drafted) else self._no_draft_cost(
             requests, base, cap, ests, rows)
         if g0 is not None:      # no first draft pays, so no draft does: k = 0 without solving
@@ -224,6 +249,7 @@ class AdaptiveSpecController:
         self._probed = frozenset(requests[i].request_id for i in probed)
         self.last_plan = Plan(k, num, den, num / den, len(probed))
         self._hold = None if any(k) else (inputs, cap, self.step)
+        hist = self.k_histogram
         for kv in k:
             hist[kv] = hist.get(kv, 0) + 1
         return k
@@ -317,11 +343,12 @@ class AdaptiveSpecController:
     def snapshot(self) -> tuple:
         """Everything ``choose`` changes, so a failed engine step can put it back."""
         return (self.step, {kd: est.snapshot() for kd, est in self._by_kind.items()},
-                dict(self.k_histogram), self.num_probes, self.last_plan, self._hold, self._probed)
+                dict(self.k_histogram), self.num_probes, self.last_plan, self._hold, self._probed,
+                self._zero_streak, self._sleep, self._sleep_ids)
 
     def restore(self, saved: tuple) -> None:
         (self.step, estimators, self.k_histogram, self.num_probes, self.last_plan, self._hold,
-         self._probed) = saved
+         self._probed, self._zero_streak, self._sleep, self._sleep_ids) = saved
         self._by_kind = {kd: est for kd, est in self._by_kind.items() if kd in estimators}
         for kd, est in self._by_kind.items():
             est.restore(estimators[kd])

@@ -68,7 +68,7 @@ class Speculator:
         if self.controller is not None:
             self._saved_controller = self.controller.snapshot()
         decoding = scheduler.decoding_requests(only)
-        if not decoding:
+        if not decoding or (self.controller is not None and self.controller.asleep(decoding)):
             return None
         max_model_len = scheduler.config.max_model_len
         drafted = free = kinds = None

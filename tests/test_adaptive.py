@@ -380,6 +380,34 @@ def test_zero_plan_shortcut_agrees_with_the_solver(b, ctx, step, hinge, kkey, gl
     assert (ctrl.choose(reqs, caps=caps) == [0] * b) == (want == [0] * b)
 
 
+def test_sleeps_after_steps_without_drafts_and_a_new_request_wakes_it():
+    """After Z steps in a row with k = 0 for everyone the controller sleeps min(Z // SLEEP_RAMP,
+    HOLD_STEPS - 1) steps (no drafting, no choice), so a long run of them is one choice in
+    HOLD_STEPS; a request that was not in the last plan, or a plan that drafts, wakes it."""
+    import tokenbudget.spec.adaptive as adaptive
+    ctrl = _ctrl(synthetic_model(step=1.0, per_logit_row=0.5), probe_interval=0)
+    reqs = _reqs(3)
+    for r in reqs:
+        for _ in range(50):
+            ctrl.observe(r.request_id, 4, 0)              # drafts never accepted: k = 0 pays best
+    pattern = ""
+    for _ in range(120):
+        if ctrl.asleep(reqs[:2]):
+            pattern += "z"
+        else:
+            assert ctrl.choose(reqs[:2]) == [0, 0]
+            pattern += "c"
+    assert ctrl.step == 120 and ctrl.k_histogram[0] == 240
+    assert pattern.startswith("c" * adaptive.SLEEP_RAMP + "zc")
+    assert ("c" + "z" * (adaptive.HOLD_STEPS - 1)) * 3 in pattern[-4 * adaptive.HOLD_STEPS:]
+    assert ctrl.asleep(reqs[:1])                          # one of them finished: still asleep
+    assert not ctrl.asleep(reqs)                          # a new request: awake, and chooses
+    assert not ctrl.asleep(reqs[:2])
+    for _ in range(60):
+        ctrl.observe("r0", 1, 1)                          # r0's drafts now pay
+    assert ctrl.choose(reqs[:2])[0] > 0 and not ctrl.asleep(reqs[:2])
+
+
 def test_all_zero_plans_are_held_until_something_moves(monkeypatch):
     """A plan of k = 0 for everyone is repeated without solving for up to HOLD_STEPS steps, and
     solved again at once when a verdict arrives, the requests, their kinds or the step's other
