@@ -382,8 +382,8 @@ def test_zero_plan_shortcut_agrees_with_the_solver(b, ctx, step, hinge, kkey, gl
 
 def test_sleeps_after_steps_without_drafts_and_a_new_request_wakes_it():
     """After Z steps in a row with k = 0 for everyone the controller sleeps min(Z // SLEEP_RAMP,
-    HOLD_STEPS - 1) steps (no drafting, no choice), so a long run of them is one choice in
-    HOLD_STEPS; a request that was not in the last plan, or a plan that drafts, wakes it."""
+    MAX_SLEEP) steps (no drafting, no choice), so a long run of them is one choice in
+    MAX_SLEEP + 1; a request that was not in the last plan, or a plan that drafts, wakes it."""
     import tokenbudget.spec.adaptive as adaptive
     ctrl = _ctrl(synthetic_model(step=1.0, per_logit_row=0.5), probe_interval=0)
     reqs = _reqs(3)
@@ -399,7 +399,7 @@ def test_sleeps_after_steps_without_drafts_and_a_new_request_wakes_it():
             pattern += "c"
     assert ctrl.step == 120 and ctrl.k_histogram[0] == 240
     assert pattern.startswith("c" * adaptive.SLEEP_RAMP + "zc")
-    assert ("c" + "z" * (adaptive.HOLD_STEPS - 1)) * 3 in pattern[-4 * adaptive.HOLD_STEPS:]
+    assert ("c" + "z" * adaptive.MAX_SLEEP) * 3 in pattern[-4 * (adaptive.MAX_SLEEP + 1):]
     assert ctrl.asleep(reqs[:1])                          # one of them finished: still asleep
     assert not ctrl.asleep(reqs)                          # a new request: awake, and chooses
     assert not ctrl.asleep(reqs[:2])
