@@ -400,6 +400,7 @@ def test_sleeps_after_steps_without_drafts_and_a_new_request_wakes_it():
     assert ctrl.step == 120 and ctrl.k_histogram[0] == 240
     assert pattern.startswith("c" * adaptive.SLEEP_RAMP + "zc")
     assert ("c" + "z" * adaptive.MAX_SLEEP) * 3 in pattern[-4 * (adaptive.MAX_SLEEP + 1):]
+    ctrl.choose(reqs[:2])                                 # a zero plan after a long run: sleeps next
     assert ctrl.asleep(reqs[:1])                          # one of them finished: still asleep
     assert not ctrl.asleep(reqs)                          # a new request: awake, and chooses
     assert not ctrl.asleep(reqs[:2])
