@@ -20,8 +20,11 @@ costs more than it returns).
 
 Sleeping. Most steps of open chat draft nothing, and deciding so still costs: the proposer
 drafts at the cap for every request, then the choice (~100 us a step at batch 4, ~1.5 % of a
-7.5 ms step on the C kernels, benches/RESULTS.md). After Z steps in a row with k = 0 for
-everyone but probes, the next min(Z // ``SLEEP_RAMP``, ``MAX_SLEEP``) steps skip both (``asleep``):
+7.5 ms step on the C kernels, benches/RESULTS.md). After Z steps in a row on which there were
+drafts and none paid (k = 0 for everyone but probes; a step with no draft at all, no n-gram match
+anywhere, neither counts nor breaks the run: it is cheap already, and in math or code at batch 1
+the match that ends it is the draft that pays), the next min(Z // ``SLEEP_RAMP``, ``MAX_SLEEP``)
+steps skip both (``asleep``):
 a short run sleeps nothing, a long one 3 steps in 4, and a request resumes drafting at most
 ``MAX_SLEEP`` steps late. Sleeping s steps in s + 1 saves s / (s + 1) of the cost and delays
 the way back by up to s steps: 3 keeps 3/4 of the saving of 7 in 8 at under half the delay
@@ -199,10 +202,11 @@ class AdaptiveSpecController:
         if kinds is not None and len(kinds) != len(requests):
             raise ValueError(f"kinds has {len(kinds)} entries for {len(requests)} requests")
         self._next_step()
-        k = self._plan(requests, base, self.caps_for(requests, caps), kinds, model_drafted)
+        cap = self.caps_for(requests, caps)
+        k = self._plan(requests, base, cap, kinds, model_drafted)
         if sum(k) > self.last_plan.num_probes:   # drafts that pay (a probe alone does not wake)
             self._zero_streak = self._sleep = 0
-        else:
+        elif any(cap):                           # there were drafts, and none paid
             self._zero_streak += 1
             self._sleep = min(self._zero_streak // SLEEP_RAMP, MAX_SLEEP)
             self._sleep_ids = frozenset(r.request_id for r in requests)

@@ -381,9 +381,10 @@ def test_zero_plan_shortcut_agrees_with_the_solver(b, ctx, step, hinge, kkey, gl
 
 
 def test_sleeps_after_steps_without_drafts_and_a_new_request_wakes_it():
-    """After Z steps in a row with k = 0 for everyone the controller sleeps min(Z // SLEEP_RAMP,
-    MAX_SLEEP) steps (no drafting, no choice), so a long run of them is one choice in
-    MAX_SLEEP + 1; a request that was not in the last plan, or a plan that drafts, wakes it."""
+    """After Z steps in a row with drafts none of which pays, the controller sleeps
+    min(Z // SLEEP_RAMP, MAX_SLEEP) steps (no drafting, no choice), so a long run of them is one
+    choice in MAX_SLEEP + 1; a request that was not in the last plan, or a plan that drafts, wakes
+    it; steps without any draft do not put it to sleep."""
     import tokenbudget.spec.adaptive as adaptive
     ctrl = _ctrl(synthetic_model(step=1.0, per_logit_row=0.5), probe_interval=0)
     reqs = _reqs(3)
@@ -407,6 +408,8 @@ def test_sleeps_after_steps_without_drafts_and_a_new_request_wakes_it():
     for _ in range(60):
         ctrl.observe("r0", 1, 1)                          # r0's drafts now pay
     assert ctrl.choose(reqs[:2])[0] > 0 and not ctrl.asleep(reqs[:2])
+    for _ in range(40):                                   # no draft at all (no match): never sleeps
+        assert not ctrl.asleep(reqs[:2]) and ctrl.choose(reqs[:2], caps=[0, 0]) == [0, 0]
 
 
 def test_all_zero_plans_are_held_until_something_moves(monkeypatch):
