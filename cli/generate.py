@@ -91,8 +91,7 @@ def speculative_config_from_args(args) -> dict | None:
         return json.loads(args.speculative_config)
     if args.no_spec:
         return None
-    n = args.num_spec_tokens
-    config = {"method": args.spec_method or "ngram", "num_speculative_tokens": "auto" if n is None else n}
+    config = {"method": args.spec_method or "ngram", "num_speculative_tokens": args.num_spec_tokens}
     if getattr(args, "spec_model", None):
         config["model"] = args.spec_model
     return config

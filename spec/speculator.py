@@ -2,7 +2,8 @@
 
 At the start of each step (``propose``) the decoding requests whose ``max_spec_tokens`` allows
 it get up to k drafts, where k is the configured ``num_speculative_tokens`` or, with ``"auto"``,
-the adaptive controller's choice; they go to the scheduler in one ``DraftBatch`` (with a model
+the adaptive controller's choice (nothing is drafted on a step the controller sleeps through,
+``AdaptiveSpecController.asleep``); they go to the scheduler in one ``DraftBatch`` (with a model
 drafter's probabilities), which cuts them to ``draft_limit``. When the step commits
 (``commit``), the verified counts feed the metrics and the controller.
 

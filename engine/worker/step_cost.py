@@ -7,8 +7,9 @@ bends), B one-row decode requests (per-request work), a decode and a verify afte
 (attention), and prefill chunks without logits (rows vs logit rows). Block ids 0.. are written
 with garbage KV: at start-up no request holds them, and every slot is written before it is read
 later. The grid stops at 128 rows and the long context at 1024 tokens to keep start-up short
-(~0.6 s for the default model on one core, a third of it first-call work the engine's own first
-steps would pay otherwise); online updates from real steps take over from there.
+(0.8 s for the default model on one core, 1.7 s with the old grid to 256 rows and a warm-up run
+per shape; part of it is first-call work the engine's own first steps would pay otherwise);
+online updates from real steps take over from there.
 
 Each step runs twice and the faster run counts: the first run of a new shape pays one-time work
 (buffers of that row count), and the minimum of two also drops a neighbour's burst. The prior is
