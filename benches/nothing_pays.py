@@ -5,10 +5,10 @@ on one engine, in interleaved rounds (the order rotated per round).
     PYTHONPATH=. OMP_NUM_THREADS=1 python benches/nothing_pays.py --workload "open chat" --batch 4 \
         --rounds 6 --max-tokens 96 [--max-sleep 0 3 7] [--k 2] [--json out.json]
 
-Per configuration: tok/s and decode-phase tok/s (medians of rounds) and their ratio to plain; for
-the auto ones, the speculator's own time per engine step (its ``propose`` and ``commit``, timed
-around the calls), the steps it slept through (``AdaptiveSpecController.asleep``), its probes and
-the draft tokens it verified. Prompts and workloads are ``benches/adaptive.py``'s.
+Per configuration: tok/s and decode-phase tok/s (medians of rounds) and their ratio to plain; the
+speculator's own time per engine step (its ``propose`` and ``commit``, ``benches.common.StepProfiler``)
+and, for the auto ones, the steps its controller slept through (``AdaptiveSpecController.asleep``),
+its probes and the draft tokens verified. Prompts and workloads are ``benches/adaptive.py``'s.
 """
 
 from __future__ import annotations
@@ -17,44 +17,12 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benches.adaptive import WORKLOADS, prompt_texts  # noqa: E402
-from benches.common import engine_generate, machine_info, print_table, write_json  # noqa: E402
+from benches.common import StepProfiler, engine_generate, machine_info, print_table, write_json  # noqa: E402
 from benches.workloads import chat_token_ids  # noqa: E402
-
-
-class _Timed:
-    """Seconds spent in ``propose`` / ``commit`` of a speculator and the steps its controller slept."""
-
-    def __init__(self, spec) -> None:
-        self.seconds = {"propose": 0.0, "commit": 0.0}
-        self.steps = self.slept = 0
-        for name in self.seconds:
-            setattr(spec, name, self._timed(name, getattr(spec, name)))
-        asleep = spec.controller.asleep
-
-        def counted(requests):
-            out = asleep(requests)
-            self.slept += out
-            return out
-        spec.controller.asleep = counted
-
-    def _timed(self, name, fn):
-        def call(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[name] += time.perf_counter() - start
-                self.steps += name == "propose"
-        return call
-
-    def reset(self) -> None:
-        self.seconds = dict.fromkeys(self.seconds, 0.0)
-        self.steps = self.slept = 0
 
 
 def main(argv=None) -> dict:
@@ -86,11 +54,11 @@ def main(argv=None) -> dict:
     specs = {"plain": Speculator()}
     if args.k:
         specs[f"k={args.k}"] = build(args.k)
-    timers, sleep_cap = {}, {}
+    sleep_cap = {}
     for cap in args.max_sleep:
         label = f"auto, sleep <= {cap}"
         specs[label] = build("auto")
-        timers[label], sleep_cap[label] = _Timed(specs[label]), cap
+        sleep_cap[label] = cap
     groups = max(1, 4 // args.batch)
     ids = [chat_token_ids(llm.tokenizer, t, 1024) for t in prompt_texts(args.workload, args.batch * groups)]
     labels = list(specs)
@@ -101,20 +69,18 @@ def main(argv=None) -> dict:
             for label in labels[rnd % len(labels):] + labels[:rnd % len(labels)]:
                 adaptive.MAX_SLEEP = sleep_cap.get(label, default_cap)
                 spec = engine.core.speculator = specs[label]
-                timer = timers.get(label)
-                if timer is not None:
-                    timer.reset()
-                    probes0, drafts0 = spec.controller.num_probes, spec.stats.num_draft_tokens
-                gs = [engine_generate(llm, ids[i:i + args.batch], args.max_tokens)
-                      for i in range(0, len(ids), args.batch)]
+                ctrl = spec.controller
+                before = None if ctrl is None else (ctrl.num_slept, ctrl.num_probes, spec.stats.num_draft_tokens)
+                with StepProfiler(llm) as prof:
+                    gs = [engine_generate(llm, ids[i:i + args.batch], args.max_tokens)
+                          for i in range(0, len(ids), args.batch)]
                 run = {"tok_s": sum(g.num_tokens for g in gs) / sum(g.total_s for g in gs),
-                       "decode_tok_s": sum(g.num_tokens - len(g.token_ids) for g in gs) / sum(g.decode_s for g in gs)}
-                if timer is not None:
-                    n = max(timer.steps, 1)
-                    run.update(propose_us=1e6 * timer.seconds["propose"] / n,
-                               commit_us=1e6 * timer.seconds["commit"] / n, steps=timer.steps,
-                               slept=timer.slept, probes=spec.controller.num_probes - probes0,
-                               draft_tokens=spec.stats.num_draft_tokens - drafts0)
+                       "decode_tok_s": sum(g.num_tokens - len(g.token_ids) for g in gs) / sum(g.decode_s for g in gs),
+                       "speculator_us": 1e6 * prof.seconds.get("speculate", 0.0) / max(prof.steps, 1),
+                       "steps": prof.steps}
+                if ctrl is not None:
+                    run.update(slept=ctrl.num_slept - before[0], probes=ctrl.num_probes - before[1],
+                               draft_tokens=spec.stats.num_draft_tokens - before[2])
                 runs[label].append(run)
             print(f"round {rnd}: " + "  ".join(f"{lab}={runs[lab][-1]['tok_s']:.1f}" for lab in labels), flush=True)
     finally:
@@ -122,17 +88,17 @@ def main(argv=None) -> dict:
 
     def med(label, key):
         return statistics.median(r[key] for r in runs[label])
-    headers = ["config", "tok/s", "÷ plain", "decode tok/s", "decode ÷ plain", "propose µs/step", "commit µs/step",
+    headers = ["config", "tok/s", "÷ plain", "decode tok/s", "decode ÷ plain", "speculator µs/step",
                "slept steps", "probes", "draft tokens"]
     rows = []
     for label in labels:
-        extra = (["-"] * 5 if label not in timers else
-                 [f"{med(label, 'propose_us'):.0f}", f"{med(label, 'commit_us'):.0f}",
-                  f"{med(label, 'slept'):.0f} of {med(label, 'steps'):.0f}", f"{med(label, 'probes'):.0f}",
+        extra = (["-"] * 3 if label not in sleep_cap else
+                 [f"{med(label, 'slept'):.0f} of {med(label, 'steps'):.0f}", f"{med(label, 'probes'):.0f}",
                   f"{med(label, 'draft_tokens'):.0f}"])
         rows.append([label, f"{med(label, 'tok_s'):.1f}", f"{med(label, 'tok_s') / med('plain', 'tok_s'):.3f}",
                      f"{med(label, 'decode_tok_s'):.1f}",
-                     f"{med(label, 'decode_tok_s') / med('plain', 'decode_tok_s'):.3f}"] + extra)
+                     f"{med(label, 'decode_tok_s') / med('plain', 'decode_tok_s'):.3f}",
+                     f"{med(label, 'speculator_us'):.0f}"] + extra)
     print(f"{args.workload}, batch {args.batch}, {args.max_tokens} tokens, {args.rounds} rounds "
           f"(medians), {args.threads} thread(s), load {os.getloadavg()[0]:.1f}")
     print_table(headers, rows)

@@ -121,6 +121,7 @@ class AdaptiveSpecController:
         self.step = 0
         self.k_histogram: dict[int, int] = {}
         self.num_probes = 0
+        self.num_slept = 0   # steps slept through (``asleep``)
         self.last_plan: Plan | None = None
         self._num_verdicts = 0               # observe() calls: any verdict can move an estimate
         self._hold: tuple | None = None      # (inputs, caps, step) of the last all-zero plan solved
@@ -221,6 +222,7 @@ class AdaptiveSpecController:
             return False
         self._sleep -= 1
         self._zero_streak += 1
+        self.num_slept += 1
         self._next_step()
         self._no_drafts(len(requests), self.last_plan.cost, self.last_plan.ratio)
         return True
@@ -351,11 +353,11 @@ class AdaptiveSpecController:
     def snapshot(self) -> tuple:
         """Everything ``choose`` changes, so a failed engine step can put it back."""
         return (self.step, {kd: est.snapshot() for kd, est in self._by_kind.items()},
-                dict(self.k_histogram), self.num_probes, self.last_plan, self._hold, self._probed,
-                self._zero_streak, self._sleep, self._sleep_ids)
+                dict(self.k_histogram), self.num_probes, self.num_slept, self.last_plan, self._hold,
+                self._probed, self._zero_streak, self._sleep, self._sleep_ids)
 
     def restore(self, saved: tuple) -> None:
-        (self.step, estimators, self.k_histogram, self.num_probes, self.last_plan, self._hold,
+        (self.step, estimators, self.k_histogram, self.num_probes, self.num_slept, self.last_plan, self._hold,
          self._probed, self._zero_streak, self._sleep, self._sleep_ids) = saved
         self._by_kind = {kd: est for kd, est in self._by_kind.items() if kd in estimators}
         for kd, est in self._by_kind.items():
