@@ -7,6 +7,8 @@ import random
 
 import numpy as np
 import pytest
+from controller_helpers import controller as _ctrl
+from controller_helpers import decoding_requests as _reqs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,19 +23,6 @@ from tokenbudget.spec.draft_lengths import optimal_draft_lengths
 def _e(row, k):
     """E(k) = 1 + sum_{j<k} prod_{l<=j} a_l, computed the slow way."""
     return 1.0 + sum(math.prod(row[: j + 1]) for j in range(k))
-
-
-def _reqs(n, context=2, **kw):
-    out = []
-    for i in range(n):
-        r = Request(f"r{i}", [1] * (context + 1), **kw)
-        r.num_computed_tokens = context
-        out.append(r)
-    return out
-
-
-def _ctrl(cost, max_k=4, **kw):
-    return AdaptiveSpecController(max_k, cost_model=cost, **kw)
 
 
 FLAT = synthetic_model(step=1.0)                              # drafts are free

@@ -8,9 +8,10 @@ number of steps.
 
 from __future__ import annotations
 
+from controller_helpers import controller as _ctrl
+from controller_helpers import decoding_requests as _reqs
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_adaptive import _ctrl, _reqs
 
 from tokenbudget.spec.cost_model import StepShape, synthetic_model
 from tokenbudget.spec.draft_lengths import optimal_draft_lengths
