@@ -297,14 +297,15 @@ class AdaptiveSpecController:
                        ests: list[AcceptanceEstimator], rows: list[Evidence]) -> float | None:
         """g(0), the cost of the step without drafts, if no request's first draft returns more
         tokens per second than that step (a_{i,0} <= R_0 (g(1) - g(0) + c_{i,0}), R_0 = B / g(0));
-        None if one does. Then no set of drafts does either: along a row acceptance products
-        fall and (free drafters) row costs rise, g's increments rise (convex), so every draft in a
-        set returns at most R_0 times the increment it can be charged, and the set's ratio is at
-        most R_0. This is most steps of open chat, where n-gram matches are common and rarely
-        pay: the test costs a few operations per request, the solve ~4x that (~57 us a step at
-        batch 4)."""
-        b = len(requests)
-        g = self.cost_model.token_curve(self._zero_shape(requests, base), 1)
+        None if one does, or if g is not convex. Then no set of drafts pays either: along a row
+        acceptance products fall and (free drafters) row costs rise, g's increments rise, so every
+        draft in a set returns at most R_0 times the increment it can be charged. This is most
+        steps of open chat (n-gram matches common, rarely paying): the test costs a few operations
+        per request, the solve ~4x that (~57 us a step at batch 4)."""
+        b, zero = len(requests), self._zero_shape(requests, base)
+        if not self.cost_model.is_convex_above(zero.tokens):
+            return None
+        g = self.cost_model.token_curve(zero, 1)
         r0, dg, w = b / g[0], g[1] - g[0], self.cost_model.attention_weight / 1000.0
         first = {}
         for est, e, c, r in zip(ests, rows, cap, requests):

@@ -18,6 +18,13 @@ Shape of a step (``StepShape``, built from a ``SchedulerOutput`` by ``step_shape
   cost is convex piecewise linear in the row count, which covers the memory-bound regime where
   the first few rows of a GEMM are almost free (the weights are streamed once either way) and
   each further row costs compute;
+* ``tokens_below_team``: ``tokens`` while below ``TEAM_ROWS``, else 0. The C kernels run one
+  thread below 8 rows and their whole team from there (``kernels/cpu/quant_gemm.h``), so at 2
+  threads a step of 8 rows can cost less than one of 6 (7.14 vs 7.30 ms for the default model,
+  benches/RESULTS.md): the rows below the team cost this much more each, and the curve drops at
+  ``TEAM_ROWS``. Its weight is learnt like the others (~0 at one thread, on torch's kernels, on
+  CUDA); with it g is not convex, which the optimiser handles (it scans the total draft count)
+  and the controller's first-draft test checks (``is_convex_above``);
 * ``draft_requests`` / ``draft_rows``: requests a model drafter (draft model, EAGLE-3 head) drafted
   for in this step, and the draft rows it ran for them. Drafting is part of the step's wall time,
   and a model drafter's cost is per drafted request (catching up on the positions committed
@@ -28,7 +35,7 @@ Shape of a step (``StepShape``, built from a ``SchedulerOutput`` by ``step_shape
   longer the pause, the dearer the way back).
 
 Model: ``cost = w . phi(shape)``, ``phi = [1, requests, tokens, logit_rows, attention, hinges...,
-draft_requests, draft_rows]``,
+draft_requests, draft_rows, tokens_below_team]``,
 ``w >= 0`` (a cost that falls when rows are added is noise, and would reward padding a step
 with useless drafts).
 
@@ -63,11 +70,24 @@ from dataclasses import dataclass
 import numpy as np
 
 HINGE_KNOTS = (4, 16, 64, 256)
+# Rows from which the C kernels run their whole thread team; below it, one thread
+# (TEAM_MIN_ROWS in kernels/cpu/quant_gemm.h; a test keeps the two equal).
+TEAM_ROWS = 8
 FEATURES = ("step", "requests", "tokens", "logit_rows", "attention") + tuple(
-    f"tokens_over_{k}" for k in HINGE_KNOTS) + ("draft_requests", "draft_rows")
+    f"tokens_over_{k}" for k in HINGE_KNOTS) + ("draft_requests", "draft_rows", "tokens_below_team")
 _DRAFT_REQUESTS = FEATURES.index("draft_requests")
+_BELOW_TEAM = FEATURES.index("tokens_below_team")
 _MIN_COST = 1e-9
-_RIDGE = 1e-6   # relative to the normal matrix' diagonal: keeps unexcited directions solvable
+_RIDGE = 1e-6   # relative to each feature's own diagonal entry: keeps unexcited directions solvable
+
+
+def _ridged(a: np.ndarray) -> np.ndarray:
+    """``a`` with ``_RIDGE`` of each diagonal entry added to it (a floor for the unexcited ones).
+    Per feature, not a fraction of the largest entry: one ridge for all would be large against a
+    small-valued feature (rows below the team, a few per step, beside attention in the hundreds)
+    and let it absorb part of the others' weight."""
+    d = np.diag(a)
+    return a + np.diag(_RIDGE * np.maximum(d, max(float(np.max(d)), 1e-30) * 1e-12))
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +106,7 @@ class StepShape:
         t = self.tokens
         return ([1.0, float(self.requests), float(t), float(self.logit_rows), float(self.attention)]
                 + [float(t - k) if t > k else 0.0 for k in HINGE_KNOTS]
-                + [float(self.draft_requests), float(self.draft_rows)])
+                + [float(self.draft_requests), float(self.draft_rows), float(t) if t < TEAM_ROWS else 0.0])
 
     def features(self) -> np.ndarray:
         return np.array(self.phi())
@@ -198,8 +218,7 @@ class StepCostModel:
             phi = shape.features()
             self._fold_into(a, b, phi, sec, 1.0)
             rel.append(phi / sec)
-        ridge = _RIDGE * max(float(np.max(np.diag(a))), 1e-30)
-        self.prior_weights = nonnegative_least_squares(a + ridge * np.eye(nf), b)
+        self.prior_weights = nonnegative_least_squares(_ridged(a), b)
         # Prior precision per feature: moving w_f by delta changes a typical probe step's cost
         # by delta * phi_f relative to its seconds; that relative error is charged as if
         # ``prior_weight`` steps had seen it (median over the probes that have the feature).
@@ -239,9 +258,8 @@ class StepCostModel:
         self._fold_pending()
         p = self._prior_precision
         a = self._a + np.diag(p)
-        ridge = _RIDGE * max(float(np.max(np.diag(a))), 1e-30)
         start = None if self._w is None else self._w > 0
-        self._w = nonnegative_least_squares(a + ridge * np.eye(len(a)), self._b + p * self.prior_weights, start)
+        self._w = nonnegative_least_squares(_ridged(a), self._b + p * self.prior_weights, start)
         self._w_list = self._w.tolist()
 
     def _fold_pending(self) -> None:
@@ -280,7 +298,19 @@ class StepCostModel:
             if wk > 0:
                 for d in range(max(0, k - t0 + 1), n + 1):
                     out[d] += wk * (t0 + d - k - h0)
+        wt = w[_BELOW_TEAM]
+        if wt > 0:   # rows below the team: dearer per row, and the curve drops where the team starts
+            for d in range(n + 1):
+                out[d] += wt * ((t0 + d if t0 + d < TEAM_ROWS else 0) - phi[_BELOW_TEAM])
         return [y if y > _MIN_COST else _MIN_COST for y in out]
+
+    def is_convex_above(self, tokens: int) -> bool:
+        """Whether ``token_curve`` from a step of ``tokens`` rows is convex (non-decreasing
+        increments): always, unless rows below the team cost extra and the curve can cross
+        ``TEAM_ROWS``, where it drops (a drop under 1 % of a row's cost counts as none: the fit
+        leaves such crumbs on a feature the data does not need)."""
+        w = self._current()
+        return tokens >= TEAM_ROWS or w[_BELOW_TEAM] * TEAM_ROWS <= 0.01 * (w[2] + w[3])
 
     @property
     def attention_weight(self) -> float:
@@ -339,14 +369,14 @@ class StepCostModel:
 def synthetic_model(step: float = 0.0, per_request: float = 0.0, per_token: float = 0.0,
                     per_logit_row: float = 0.0, per_kkey: float = 0.0,
                     hinges: Sequence[float] = (), per_draft_request: float = 0.0,
-                    per_draft_row: float = 0.0, **kwargs) -> StepCostModel:
+                    per_draft_row: float = 0.0, per_token_below_team: float = 0.0, **kwargs) -> StepCostModel:
     """A model whose prior is generated exactly by the given weights (tests, benches' what-ifs).
     The prior is dense enough over every feature that the fit returns these weights (the drafter
     terms are excited only when one of them is set: a prior like the engine's, whose start-up
     probes draft nothing, otherwise)."""
     w = np.array([step, per_request, per_token, per_logit_row, per_kkey]
                  + list(hinges) + [0.0] * (len(HINGE_KNOTS) - len(hinges))
-                 + [per_draft_request, per_draft_row])
+                 + [per_draft_request, per_draft_row, per_token_below_team])
     if np.any(w < 0):
         raise ValueError("synthetic weights must be >= 0")
     drafted = [(0, 0)] + ([(1, 1), (1, 3), (4, 5)] if per_draft_request or per_draft_row else [])

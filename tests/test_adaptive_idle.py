@@ -133,3 +133,23 @@ def test_all_zero_plans_are_held_until_something_moves(monkeypatch):
     monkeypatch.setattr(adaptive, "HOLD_STEPS", 0)        # no hold: every step solved
     ctrl.choose(reqs[:1])
     assert len(calls) == 11
+
+
+def test_a_step_that_crosses_the_thread_team_is_priced_by_the_drop():
+    """Below TEAM_ROWS the C kernels run one thread: rows there cost more, and a step of
+    TEAM_ROWS rows can cost less than one of TEAM_ROWS - 2 (benches/RESULTS.md). At B = 4 one or
+    two drafts each then do not pay and four each do; the first-draft test must not stop the
+    solve there, and the plan is the solver's."""
+    from tokenbudget.spec.cost_model import TEAM_ROWS
+    cost = synthetic_model(step=4.0, per_logit_row=0.1, per_token_below_team=1.0)
+    assert not cost.is_convex_above(4) and cost.is_convex_above(TEAM_ROWS)
+    ctrl = _ctrl(cost, probe_interval=0, prior_alpha=1.0, prior_beta=1.0)
+    reqs = _reqs(4)
+    ctrl.acceptance.global_succ[:] = [30.0] * 4
+    ctrl.acceptance.global_trials[:] = [100.0] * 4      # a = 0.3 at every position
+    curve, rc = ctrl.step_costs(reqs, max_drafts=16)
+    assert curve[4] < curve[2] and curve[1] > curve[0]      # the drop, and a first draft that costs
+    want = optimal_draft_lengths(ctrl.acceptance.probs(ctrl.acceptance.rows([r.request_id for r in reqs])),
+                                 [4] * 4, curve, rc)[0]
+    got = ctrl.choose(reqs, caps=[4] * 4)
+    assert got == want and sum(got) >= TEAM_ROWS - 4

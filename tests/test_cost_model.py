@@ -178,3 +178,13 @@ def test_token_curve_is_the_cost_of_the_step_with_d_more_rows(b, tokens, logit_r
         if d <= n:
             want = m.cost(StepShape(b, tokens + d, logit_rows + d, att))
             assert g[d] == pytest.approx(want, rel=1e-9, abs=1e-15)
+
+
+def test_team_rows_is_the_c_kernels_team_threshold():
+    """The cost model's ``TEAM_ROWS`` knot is where the C kernels start their thread team."""
+    import re
+    from pathlib import Path
+
+    from tokenbudget.spec.cost_model import TEAM_ROWS
+    header = Path(__file__).resolve().parents[1] / "kernels" / "cpu" / "quant_gemm.h"
+    assert int(re.search(r"#define TEAM_MIN_ROWS (\d+)", header.read_text()).group(1)) == TEAM_ROWS
