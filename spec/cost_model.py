@@ -299,7 +299,8 @@ class StepCostModel:
                 for d in range(max(0, k - t0 + 1), n + 1):
                     out[d] += wk * (t0 + d - k - h0)
         wt = w[_BELOW_TEAM]
-        if wt > 0:   # rows below the team: dearer per row, and the curve drops where the team starts
+        if wt > 0 and t0 < TEAM_ROWS:   # rows below the team cost more; the curve drops at TEAM_ROWS
+            # (a base already on the team adds 0 at every d: no loop over B * max_k entries)
             for d in range(n + 1):
                 out[d] += wt * ((t0 + d if t0 + d < TEAM_ROWS else 0) - phi[_BELOW_TEAM])
         return [y if y > _MIN_COST else _MIN_COST for y in out]
