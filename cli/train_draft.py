@@ -29,6 +29,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch-tokens", type=int, default=4096)
     p.add_argument("--eval-k", type=int, default=4, help="draft length of the held-out evaluation")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", default="auto",
+                   help="matmuls of the tap-state forward and of training: auto (bfloat16 where the CPU has "
+                        "native bfloat16: AVX512-BF16, AMX; else float32), bfloat16 or float32")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(run=run)
@@ -49,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model, work_dir=args.work_dir, out=args.out, train_prompts=args.train_prompts,
         heldout_prompts=args.heldout_prompts, self_written=args.self_written, max_tokens=args.max_tokens,
         max_len=args.max_len, draft_vocab=args.draft_vocab, intermediate_size=args.intermediate_size,
-        eval_k=args.eval_k, seed=args.seed,
+        eval_k=args.eval_k, seed=args.seed, precision=args.precision,
         train=TrainConfig(ttt_steps=args.ttt_steps, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
                           seed=args.seed))
     result = run_pipeline(cfg, "tokenbudget " + shlex.join(sys.argv[1:]), use_tqdm=not args.no_progress)

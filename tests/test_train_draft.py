@@ -106,6 +106,18 @@ def _draft_with_cache(head, embed, aux, tokens, base, steps):
     return out
 
 
+def test_bfloat16_tap_states_stay_close_to_float32(tiny_dir):
+    """bfloat16 autocast (``--precision``) only rounds the matmuls: the residual stream stays float32."""
+    loaded = load_model_files(tiny_dir)
+    taps = default_aux_layer_ids(loaded.config.num_hidden_layers)
+    ids = torch.randint(0, 259, (2, 31), generator=torch.Generator().manual_seed(0))
+    ref, _ = TapForward(loaded.config, loaded.state_dict, taps)(ids)
+    got, final = TapForward(loaded.config, loaded.state_dict, taps, "bfloat16")(ids)
+    assert got.dtype == final.dtype == torch.float32
+    rel = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert 0 < rel.mean() < 0.03 and rel.max() < 0.1  # SmolLM2-135M: mean 0.008
+
+
 def test_unrolled_training_attention_is_drafting_with_a_kv_cache():
     head = _small_head()
     torch.manual_seed(1)
@@ -201,6 +213,8 @@ def test_cli_rejects_bad_sizes_naming_the_field(capsys):
 
     assert main(["train-draft", "--draft-vocab", "0"]) == 2
     assert "draft_vocab" in capsys.readouterr().err
+    assert main(["train-draft", "--precision", "fp8"]) == 2
+    assert "precision" in capsys.readouterr().err
 
 
 def test_acceptance_summary_counts_leading_matches():

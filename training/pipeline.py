@@ -30,6 +30,7 @@ from tokenbudget.training.data import Conversation, PromptSet, make_prompts, mak
 from tokenbudget.training.engine_states import engine_states
 from tokenbudget.training.evaluate import acceptance
 from tokenbudget.training.features import FeatureSet, extract
+from tokenbudget.training.precision import resolve
 from tokenbudget.training.target_forward import TapForward
 from tokenbudget.training.train import TrainConfig, new_head, train
 from tokenbudget.training.vocab import coverage, frequent_ids
@@ -49,6 +50,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
     shard_size: int = 64
     eval_k: int = 4
     seed: int = 0
+    precision: str = "auto"           # training.precision: of the tap-state forward and of training
     train: TrainConfig = TrainConfig()
 
     def __post_init__(self) -> None:
@@ -56,6 +58,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
                      "intermediate_size", "shard_size", "eval_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        resolve(self.precision)
         if not 0.0 <= self.self_written <= 1.0:
             raise ValueError(f"self_written must be in [0, 1], got {self.self_written}")
         t = self.train
@@ -75,6 +78,7 @@ class Pipeline:
         self.cfg, self.command, self.use_tqdm, self.log = cfg, command, use_tqdm, log
         self.dir = cfg.work_dir
         self.out = cfg.out or os.path.join(self.dir, "head")
+        self.precision = resolve(cfg.precision)
         os.makedirs(os.path.join(self.dir, "features"), exist_ok=True)
         self._llm = self._loaded = None
         self.times = self._read("times.json", dict) or {}
@@ -82,7 +86,7 @@ class Pipeline:
 
     # -- plumbing ---------------------------------------------------------------------------
     _DATA_FIELDS = ("model", "train_prompts", "heldout_prompts", "self_written", "max_tokens", "max_len",
-                    "draft_vocab", "shard_size", "seed")
+                    "draft_vocab", "shard_size", "seed", "precision")
 
     def _check_work_dir(self) -> None:
         """A work dir holds one run: its cached stages are reused only for the same settings
@@ -159,7 +163,7 @@ class Pipeline:
             def run():
                 loaded = self.loaded()
                 taps = default_aux_layer_ids(loaded.config.num_hidden_layers)
-                fw = TapForward(loaded.config, loaded.state_dict, taps)
+                fw = TapForward(loaded.config, loaded.state_dict, taps, self.precision)
                 for i in tqdm(todo, desc=f"Features ({split})", unit="shard", disable=not self.use_tqdm):
                     extract(fw, convs[i * n:(i + 1) * n], self.cfg.max_len).save(names[i])
             self._timed(f"features_{split}", run)
@@ -198,7 +202,8 @@ class Pipeline:
         fs, embed = self.features("train"), self.embed()
         partial = self.path("head_partial")
         summary = self._timed("train", lambda: train(head, embed, fs, self.cfg.train, self.path("checkpoint.pt"),
-                                                     lambda h: save_eagle3(h, partial), self.use_tqdm))
+                                                     lambda h: save_eagle3(h, partial), self.use_tqdm,
+                                                     self.precision))
         _write_json(self.path("train.json"), {**summary, "tokens": int(fs.offsets[-1]), "conversations": len(fs)})
         torch.save(head.state_dict(), p + ".tmp")
         os.replace(p + ".tmp", p)

@@ -5,7 +5,8 @@ workloads). Three sources, each tagged with its task kind so acceptance can be r
 
 - *self-written*: the target is asked, at temperature, for a question or instruction of a task
   kind about a topic (``meta_prompts`` -> ``LLM.generate`` -> ``clean_written``);
-- *templates*: task kinds x topics (chat, explanation, code, math with random numbers);
+- *templates*: task kinds x topics (chat, explanation, writing and role play, code, math with
+  random numbers);
 - *package text*: docstrings and small function sources of the Python standard library on this
   machine, as material to summarize, rewrite, translate or explain.
 
@@ -37,14 +38,31 @@ TOPICS = (
     "customer service", "marketing", "starting a small business", "first aid", "stress", "happiness",
     "rain forests", "deserts", "mountains", "rivers", "birds", "whales", "dinosaurs", "electricity",
     "magnets", "light", "sound", "gravity", "atoms", "chemistry in the kitchen", "weather forecasts",
+    "a rainy afternoon", "moving to a new city", "a family reunion", "a birthday party", "a wedding",
+    "the first day at a new job", "a road trip", "a lost wallet", "a small bakery", "a local library",
+    "a mountain village", "a busy airport", "a science fair", "a volunteer project", "a neighborhood park",
+    "online shopping", "social media", "video games", "board games", "remote work", "city traffic",
+    "public transport", "urban gardening", "minimalism", "fashion", "architecture", "museums", "theater",
+    "jazz", "classical music", "podcasts", "journalism", "advertising", "negotiation", "leadership",
+    "teamwork", "parenting", "pets", "houseplants", "home repairs", "cleaning", "sustainable living",
+    "ocean pollution", "wildfires", "space travel", "robots", "self-driving cars", "virtual reality",
+    "medieval castles", "pirates", "the Silk Road", "the Renaissance", "the Industrial Revolution",
 )
 
-KINDS = ("chat", "explanation", "code", "summary", "math", "rewrite", "translation")
+KINDS = ("chat", "explanation", "writing", "code", "summary", "math", "rewrite", "translation")
 
 _CHAT = ("What is {t}?", "Can you tell me about {t}?", "Give me three tips about {t}.",
          "What are the most interesting facts about {t}?", "I want to learn about {t}. Where should I start?",
          "What are common mistakes people make with {t}?", "Write a short story involving {t}.",
          "What are the pros and cons of {t}?", "Write a short poem about {t}.")
+_WRITING = ("Write a blog post about {t}.", "Write an email to a friend about {t}.",
+            "Write a short speech about {t} for a school event.", "Write a persuasive paragraph about {t}.",
+            "Write a dialogue between two friends talking about {t}.", "Write a letter to your future self about {t}.",
+            "Write a diary entry about {t}.", "Write a short news report about {t}.",
+            "Pretend you are an expert on {t}. In that role, tell a newcomer what matters most.",
+            "Imagine you are a tour guide. Describe {t} to your group.",
+            "Act as a teacher and give a short lesson on {t}.",
+            "You are a character in a novel who loves {t}. Introduce yourself.")
 _EXPLAIN = ("Explain {t} to a beginner.", "Explain {t} in simple terms.", "Why is {t} important?",
             "How does {t} work?", "Describe the history of {t} briefly.", "Explain {t} to a ten-year-old.")
 _CODE_TASKS = ("reverse a string", "check whether a number is prime", "count the vowels in a string",
@@ -62,6 +80,8 @@ _WRITE_META = {
     "chat": "Write one question that a curious person might ask a helpful assistant about {t}. "
             "Reply with the question only.",
     "explanation": "Write one request asking an assistant to explain something about {t}. Reply with the request only.",
+    "writing": "Write one request asking an assistant to write a story, letter, blog post or speech, or to play a "
+               "character, connected with {t}. Reply with the request only.",
     "code": "Write one programming task related to {t} that a student could solve in Python. "
             "Reply with the task only.",
     "math": "Write one short math word problem about {t}. Reply with the problem only.",
@@ -137,6 +157,8 @@ def template_prompts(n: int, rng: random.Random) -> list[tuple[str, str]]:
             p = rng.choice(_CHAT).format(t=t)
         elif kind == "explanation":
             p = rng.choice(_EXPLAIN).format(t=t)
+        elif kind == "writing":
+            p = rng.choice(_WRITING).format(t=t)
         elif kind == "code":
             p = (rng.choice(_CODE).format(c=rng.choice(_CODE_TASKS)) if not code or rng.random() < 0.6 else
                  rng.choice(("Explain what this code does:\n```python\n{s}\n```",
@@ -169,7 +191,7 @@ def meta_prompts(n: int, rng: random.Random) -> list[tuple[str, str]]:
 def clean_written(kind: str, text: str, rng: random.Random) -> str | None:
     """The target's written text -> a prompt of ``kind`` (None when it is unusable)."""
     text = text.strip().strip('"').strip()
-    if kind in ("chat", "explanation", "code", "math"):
+    if kind in ("chat", "explanation", "writing", "code", "math"):
         text = text.split("\n")[0].strip().strip('"')
         return text if 15 <= len(text) <= 300 else None
     if not 20 <= len(text) <= 1200:

@@ -16,17 +16,20 @@ import torch.nn.functional as F
 
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.model.rope import RotaryTable
+from tokenbudget.training.precision import autocast
 
 
 class TapForward:
     """``__call__(ids [B, T]) -> (aux [B, T, len(taps) * H], final hidden [B, T, H] after the
     final norm, or None with ``final=False``: then the layers past the last tap are skipped)``;
-    ``logits(final)`` applies the LM head."""
+    ``logits(final)`` applies the LM head. ``precision`` (``training.precision``, resolved): the
+    matmuls' arithmetic; outputs are float32 either way."""
 
-    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], taps: tuple[int, ...]):
+    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], taps: tuple[int, ...],
+                 precision: str = "float32"):
         if not taps or any(not 0 <= i < config.num_hidden_layers for i in taps) or list(taps) != sorted(taps):
             raise ValueError(f"taps: ascending layer ids in 0..{config.num_hidden_layers - 1}, got {taps}")
-        self.config, self.taps = config, tuple(taps)
+        self.config, self.taps, self.precision = config, tuple(taps), precision
         self.w = {k: v.float() for k, v in state.items()}
         self.embed = self.w["model.embed_tokens.weight"]
         self.lm_head = self.w.get("lm_head.weight", self.embed)
@@ -44,6 +47,11 @@ class TapForward:
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, final: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with autocast(self.precision):
+            aux, out = self._forward(ids, final)
+        return aux.float(), None if out is None else out.float()
+
+    def _forward(self, ids: torch.Tensor, final: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         c = self.config
         b, t = ids.shape
         heads, kv, d = c.num_attention_heads, c.num_key_value_heads, self.head_dim

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.model.eagle3 import Eagle3Config, Eagle3Head
 from tokenbudget.training.features import FeatureSet
+from tokenbudget.training.precision import autocast
 from tokenbudget.training.ttt import chain_labels, unroll
 
 
@@ -117,8 +118,10 @@ def chain_loss(head: Eagle3Head, embed: torch.Tensor, t2d: torch.Tensor, batch, 
 
 
 def train(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, cfg: TrainConfig, ckpt_path: str,
-          on_checkpoint: Callable[[Eagle3Head], None] | None = None, use_tqdm: bool = True) -> dict:
-    """Train ``head`` in place; resumes from ``ckpt_path`` when it exists. Returns a summary."""
+          on_checkpoint: Callable[[Eagle3Head], None] | None = None, use_tqdm: bool = True,
+          precision: str = "float32") -> dict:
+    """Train ``head`` in place; resumes from ``ckpt_path`` when it exists. Returns a summary.
+    ``precision`` (resolved, ``training.precision``): the forward's autocast."""
     from tqdm import tqdm
 
     t2d = torch.full((head.config.vocab_size,), -1, dtype=torch.int64)
@@ -156,7 +159,8 @@ def train(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, cfg: TrainConfi
         idx = batches[k]
         for g in opt.param_groups:
             g["lr"] = lr_at(done)
-        loss, stats = chain_loss(head, embed, t2d, collate(fs, idx), cfg.ttt_steps, cfg.step_decay)
+        with autocast(precision):
+            loss, stats = chain_loss(head, embed, t2d, collate(fs, idx), cfg.ttt_steps, cfg.step_decay)
         opt.zero_grad(set_to_none=True)
         if loss.requires_grad:  # False when no chain of the batch has a label in the draft vocabulary
             loss.backward()
