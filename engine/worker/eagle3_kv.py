@@ -55,16 +55,21 @@ class HeadState:
         return self.next_pos
 
 
-def segment_attend(segments):
+def segment_attend(segments, last_only: bool = False):
     """``attend`` for rows grouped by request: ``segments[s] = (state, at, n)``: the next ``n`` rows
     are that request's positions in order; their K/V are written to rows ``[at, at + n)`` of its
-    buffers (reserved by the caller) and they see rows ``[0, at)`` and, causally, each other."""
+    buffers (reserved by the caller) and they see rows ``[0, at)`` and, causally, each other.
+    ``last_only``: the queries are each segment's last row alone (``Eagle3Head.forward``'s
+    ``out_rows``), which sees all ``at + n`` rows."""
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         outs, row = [], 0
-        for st, at, n in segments:
+        for s, (st, at, n) in enumerate(segments):
             st.k[at:at + n] = k[row:row + n]
             st.v[at:at + n] = v[row:row + n]
-            outs.append(attention(q[row:row + n], st.k[:at + n], st.v[:at + n], at))
+            if last_only:
+                outs.append(attention(q[s:s + 1], st.k[:at + n], st.v[:at + n], at + n - 1))
+            else:
+                outs.append(attention(q[row:row + n], st.k[:at + n], st.v[:at + n], at))
             row += n
         return torch.cat(outs)
     return attend

@@ -287,18 +287,18 @@ class Eagle3Proposer(BaseProposer):
             lengths.append(n)
         head = self.head
         fused = head.fuse(torch.cat(hidden).to(device=self.device, dtype=self.dtype))
-        last_rows = torch.tensor(lengths).cumsum(0) - 1  # logits of each piece's last row only
+        last_rows = torch.tensor(lengths).cumsum(0) - 1  # only each piece's last row has a reader
         with _threads(self._threads if sum(lengths) > SMALL_WORK else 1):
             h, logits = head(self.embed[torch.cat(ids).to(self.device)].to(self.dtype), fused,
-                             torch.cat(positions).to(self.device), segment_attend(segments),
-                             logit_rows=last_rows.to(self.device))
-        self.num_catchup_tokens += h.shape[0]
-        for r, ((i, start, rows), end) in enumerate(zip(pieces, last_rows.tolist())):
+                             torch.cat(positions).to(self.device), segment_attend(segments, last_only=True),
+                             out_rows=last_rows.to(self.device))
+        self.num_catchup_tokens += sum(lengths)
+        for r, (i, start, rows) in enumerate(pieces):
             st = states[i]
             n = rows.shape[0]
             st.n += n
             st.next_pos = start + n
-            st.last_pos, st.last_h, st.last_logits = start + n - 1, h[end], logits[r]
+            st.last_pos, st.last_h, st.last_logits = start + n - 1, h[r], logits[r]
 
     def _sample(self, draft_logits: torch.Tensor, requests, rows: list[int], drafts, probs) -> None:
         """Plain greedy rows (no bans, bias, processors or penalties) take the argmax over the
