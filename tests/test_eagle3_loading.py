@@ -113,3 +113,36 @@ def test_cuda_graphs_is_refused_before_loading() -> None:
 def test_not_a_head_directory(dirs) -> None:
     with pytest.raises(ValueError, match=r"speculative_config\.model: .*no config.json"):
         engine(dirs["target"], eagle(dirs["root"]))
+
+
+def test_out_rows_computes_those_rows_and_every_rows_kv() -> None:
+    """The engine's catch-up asks for the last row of each request only (``out_rows``): its output
+    is the full forward's, and every row's K/V still reaches the cache."""
+    from tokenbudget.engine.worker.eagle3_kv import HeadState, segment_attend
+
+    head = random_head(3)
+    c = head.config
+    gen = torch.Generator().manual_seed(1)
+    lens = (5, 1, 9)
+    n = sum(lens)
+    embeds, hidden = torch.randn(n, c.hidden_size, generator=gen), torch.randn(n, c.hidden_size, generator=gen)
+    positions = torch.cat([torch.arange(m) + 3 for m in lens])
+    kv_shape = (3, c.num_key_value_heads, c.head_dim)  # 3 rows already cached per request
+    cached = [(torch.randn(kv_shape, generator=gen), torch.randn(kv_shape, generator=gen)) for _ in lens]
+
+    def run(last_only: bool):
+        states = [HeadState(k.clone(), v.clone(), n=3) for k, v in cached]
+        for st, m in zip(states, lens):
+            st.reserve(m)
+        attend = segment_attend([(st, 3, m) for st, m in zip(states, lens)], last_only=last_only)
+        last = torch.tensor(lens).cumsum(0) - 1
+        with torch.no_grad():
+            h, logits = head(embeds, hidden, positions, attend, out_rows=last if last_only else None)
+        return (h, logits) if last_only else (h[last], logits[last]), states
+
+    (h_all, lg_all), st_all = run(False)
+    (h_last, lg_last), st_last = run(True)
+    torch.testing.assert_close(h_last, h_all)
+    torch.testing.assert_close(lg_last, lg_all)
+    for a, b, m in zip(st_all, st_last, lens):
+        assert torch.equal(a.k[:3 + m], b.k[:3 + m]) and torch.equal(a.v[:3 + m], b.v[:3 + m])
