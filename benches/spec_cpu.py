@@ -89,9 +89,11 @@ def parse_method(s: str) -> tuple[str, dict]:
         cfg = {"method": "eagle3", "num_speculative_tokens": k}
         if m == "eagle3+suffix":
             cfg["enable_suffix_decoding"] = True
+        label = f"{m} k={k}"
         if len(parts) > 2:
             cfg["model"] = ":".join(parts[2:])
-        return f"{m} k={k}", cfg
+            label += f" ({os.path.basename(os.path.normpath(cfg['model']))})"  # two heads side by side
+        return label, cfg
     raise SystemExit(f"unknown method {s!r}: use ngram:K, suffix[:K], self_draft:LAYERS:K, eagle3[+suffix][:K[:DIR]] "
                      "(K may be 'auto')")
 
