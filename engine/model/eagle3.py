@@ -195,10 +195,9 @@ class Eagle3Head(nn.Module):
         """One draft position: ``embeds [T, H]`` (target embedding of the input token), ``hidden
         [T, H]`` (``fuse`` of the target's states, or the previous step's output), ``positions
         [T]``. Returns (pre-norm output ``[T, H]``: the next step's ``hidden``; draft logits
-        ``[T, V_draft]``).
+        ``[T, V_draft]``), or both for the rows ``out_rows`` (indices) only.
 
-        ``out_rows`` (indices): compute outputs for those rows only; every row's K/V still goes
-        to ``attend``. Exact because the head is one layer: a row's K/V depend on its own inputs
+        With ``out_rows`` every row's K/V still goes to ``attend``, and only those rows query. Exact because the head is one layer: a row's K/V depend on its own inputs
         alone, so a row whose output nobody reads needs no query, attention, MLP or logits. The
         engine's catch-up over a prompt reads the last row's output only: fc and k/v
         projections for the rest (1.4 of a layer's 3.8 M multiply-adds per row, no attention)."""
