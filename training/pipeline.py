@@ -17,6 +17,7 @@ stage took when it last ran. Stages and files:
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -229,6 +230,8 @@ class Pipeline:
     def run(self) -> dict:
         self.prompts()
         self.responses()
+        self._llm = None  # the engine's KV cache (GiBs) is not needed past generation
+        gc.collect()
         self.features("train")
         self.features("heldout")
         self.vocab()
