@@ -276,7 +276,7 @@ class Pipeline:
         eng = self._read("eval_engine.json", dict)
         if eng and eng["all"].get("chains"):
             a = eng["all"]
-            lines += ["", f"The table reads the tap states of a float32 torch forward (what training reads). On "
+            lines += ["", f"The table reads the tap states of the torch forward training reads ({self.precision}). On "
                       f"the engine's own states (quantization {eng['quantization']}, the forward that serves "
                       f"the head): tau {a['tau']:.2f}, accept@j "
                       + " / ".join(f"{x:.2f}" for x in a["accept_at_position"] if x is not None)
