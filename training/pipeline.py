@@ -41,9 +41,9 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str | None = None
     work_dir: str = "train-draft-work"
     out: str | None = None            # export directory; None = work_dir/head
-    train_prompts: int = 1600
+    train_prompts: int = 6000
     heldout_prompts: int = 100
-    self_written: float = 0.35
+    self_written: float = 0.5
     max_tokens: int = 192
     max_len: int = 512
     draft_vocab: int = 4096

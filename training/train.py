@@ -33,7 +33,7 @@ from tokenbudget.training.ttt import chain_labels, unroll
 
 class TrainConfig(msgspec.Struct, frozen=True, kw_only=True):
     ttt_steps: int = 4
-    epochs: float = 8.0
+    epochs: float = 6.0
     lr: float = 2e-3
     warmup: int = 20
     batch_tokens: int = 4096
