@@ -52,8 +52,13 @@ def make_prompts(llm, n_train: int, n_heldout: int, seed: int, self_written: flo
 
 
 def make_responses(llm, prompts: list[tuple[str, str]], max_tokens: int, use_tqdm: bool = True) -> list[Conversation]:
-    """The target's greedy chat response to each prompt (one ``generate`` call for all)."""
+    """The target's greedy chat response to each prompt (one ``generate`` call for all). A prompt
+    that leaves no room for a response within the engine's ``max_model_len`` is left out (a small
+    model's context, or a byte-level tokenizer's long rendering of a package paragraph)."""
     texts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for _, p in prompts]
-    outs = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=use_tqdm)
+    fits = [len(llm.tokenizer.encode(t)) < llm.engine.max_model_len for t in texts]
+    prompts = [p for p, ok in zip(prompts, fits) if ok]
+    outs = llm.generate([t for t, ok in zip(texts, fits) if ok], SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                        use_tqdm=use_tqdm)
     return [Conversation(kind, list(o.prompt_token_ids), list(o.outputs[0].token_ids))
             for (kind, _), o in zip(prompts, outs) if o.outputs and o.outputs[0].token_ids]
