@@ -3,8 +3,8 @@
 The head trains on ``TapForward``'s states (float32, or with bfloat16 matmuls:
 ``training.precision``); at serving time it reads the states of the engine's own forward (for the
 default model: int4 weights on the C decoder forward, through ``set_aux_layers``, Contract 3 of
-issue 27). Evaluating the head on these too says whether what
-was measured on the training side holds where it runs.
+issue 27). Evaluating the head on these too says whether what was measured on the training side
+holds where it runs.
 """
 
 from __future__ import annotations
