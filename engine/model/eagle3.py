@@ -197,10 +197,11 @@ class Eagle3Head(nn.Module):
         [T]``. Returns (pre-norm output ``[T, H]``: the next step's ``hidden``; draft logits
         ``[T, V_draft]``), or both for the rows ``out_rows`` (indices) only.
 
-        With ``out_rows`` every row's K/V still goes to ``attend``, and only those rows query. Exact because the head is one layer: a row's K/V depend on its own inputs
-        alone, so a row whose output nobody reads needs no query, attention, MLP or logits. The
-        engine's catch-up over a prompt reads the last row's output only: fc and k/v
-        projections for the rest (1.4 of a layer's 3.8 M multiply-adds per row, no attention)."""
+        With ``out_rows`` every row's K/V still goes to ``attend``, and only those rows query.
+        Exact because the head is one layer: a row's K/V depend on its own inputs alone, so a row
+        whose output nobody reads needs no query, attention, MLP or logits. The engine's catch-up
+        over a prompt reads the last row's output only: fc and k/v projections for the rest (1.4
+        of a layer's 3.8 M multiply-adds per row, no attention)."""
         c, layer = self.config, self.midlayer
         h_normed = layer.hidden_norm(hidden)
         x = torch.cat([layer.input_layernorm(embeds), h_normed], dim=-1)
