@@ -41,10 +41,9 @@ def main(argv=None) -> dict:
     head, c = prop.head, prop.head.config
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    empty = torch.zeros((0, c.num_key_value_heads, c.head_dim))
 
     def catch_up(n: int, last_only: bool, aux, ids) -> torch.Tensor:
-        st = HeadState(empty, empty)
+        st = HeadState.empty(c.num_key_value_heads, c.head_dim, torch.float32, "cpu")
         st.reserve(n)
         with torch.inference_mode():
             emb, fused, pos = prop.embed[ids], head.fuse(aux), torch.arange(n)

@@ -59,10 +59,12 @@ def test_greedy_equals_plain_decoding(dirs, baseline) -> None:
     llm.engine.core.scheduler.check_integrity()
 
 
-def test_lossless_under_chunking_preemption_and_prefix_hits(dirs) -> None:
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_lossless_under_chunking_preemption_and_prefix_hits(dirs, quantization) -> None:
+    """fp32: the head's torch forward; int8: its C forward where the C kernels run."""
     prompts = [f"prompt number {i}: " + "ab" * (3 + 2 * i) for i in range(4)] * 2  # repeats: cache hits
-    want = token_ids(engine(dirs["target"]), prompts, greedy(32))
-    llm = engine(dirs["target"], eagle(dirs["head"]), **stressed(dirs, 12))
+    want = token_ids(engine(dirs["target"], quantization=quantization), prompts, greedy(32))
+    llm = engine(dirs["target"], eagle(dirs["head"]), quantization=quantization, **stressed(dirs, 12))
     assert token_ids(llm, prompts, greedy(32)) == want
     sched = llm.engine.core.scheduler
     assert sched.num_preemptions > 0 and sched.kv.prefix_hits > 0
@@ -228,7 +230,8 @@ def test_abort_releases_the_head_state(dirs) -> None:
 
 def test_quantized_target_runs_a_quantized_head(dirs) -> None:
     """int8 target on the CPU: the head's linears are int8 too (its cost at batch 1 is its weight
-    bytes, k times per step); greedy output still equals plain decoding on the same target."""
+    bytes, k times per step) and its forward is the C call where the C kernels run; greedy output
+    still equals plain decoding on the same target."""
     want = token_ids(engine(dirs["target"], quantization="int8"), PROMPTS, greedy())
     llm = engine(dirs["target"], eagle(dirs["head"]), quantization="int8")
     assert token_ids(llm, PROMPTS, greedy()) == want
@@ -236,6 +239,9 @@ def test_quantized_target_runs_a_quantized_head(dirs) -> None:
     assert type(head.lm_head.quant).__name__ == "QuantLinear" and head.lm_head.quant.mode == "int8"
     assert head.midlayer.mlp.down_proj.quant.mode == "int8"
     assert llm.get_spec_stats().num_draft_tokens > 0
+    from tokenbudget.kernels.cpu.native import library
+    if library() is not None:  # the head's forward is the C call (tests/test_eagle3_cpu_forward.py)
+        assert llm.engine.speculator.proposer.cpu_forward is not None
 
 
 def test_sampling_features_and_ids_outside_the_draft_vocabulary(dirs) -> None:

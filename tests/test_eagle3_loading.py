@@ -131,7 +131,7 @@ def test_out_rows_computes_those_rows_and_every_rows_kv() -> None:
     cached = [(torch.randn(kv_shape, generator=gen), torch.randn(kv_shape, generator=gen)) for _ in lens]
 
     def run(last_only: bool):
-        states = [HeadState(k.clone(), v.clone(), n=3) for k, v in cached]
+        states = [HeadState(torch.stack([k, v]), n=3) for k, v in cached]
         for st, m in zip(states, lens):
             st.reserve(m)
         attend = segment_attend([(st, 3, m) for st, m in zip(states, lens)], last_only=last_only)

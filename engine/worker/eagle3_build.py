@@ -11,8 +11,9 @@ layers against the target's depth.
 
 Weights: a head runs after every verify, k times in a row, so at batch 1 its cost is k times
 its weight bytes read from memory. On a quantized CPU target (``int8`` / ``int4``) its linears are
-quantized the same way (``engine.model.quant.QuantLinear``: the C kernels where they run; the
-draft lm head int8, like the target's), fp32 otherwise.
+quantized the same way (``engine.model.eagle3_cpu.quantize_head``: the C kernels where they run;
+the draft lm head int8, like the target's), and its forward is one C call where the C kernels run
+all of it (``Eagle3CpuForward``); fp32 and the torch forward otherwise.
 
 The target's tap layers are switched on here, on the engine's runner (``ModelRunner.
 set_aux_layers``: its steps then return ``aux_hidden_states``; the CUDA graph wrapper refuses,
@@ -23,10 +24,8 @@ from __future__ import annotations
 
 import os
 
-import torch
-from torch import nn
-
-from tokenbudget.engine.model.eagle3 import Eagle3Head, load_eagle3
+from tokenbudget.engine.model.eagle3 import load_eagle3
+from tokenbudget.engine.model.eagle3_cpu import Eagle3CpuForward, quantize_head
 from tokenbudget.engine.model.rope import RotaryTable
 from tokenbudget.engine.worker.eagle3_proposer import Eagle3Proposer
 
@@ -71,37 +70,14 @@ def build_eagle3_proposer(spec_config, max_model_len: int, target, scheduler, ru
                          f"has {tcfg.num_hidden_layers}")
     if c.max_position_embeddings < max_model_len:  # RoPE is a formula: extend the table
         head._rope = RotaryTable(c.head_dim, c.rope_theta, None, max_model_len, head.fc.weight.dtype, target.device)
+    cpu_forward = None
     if target.quantization in ("int8", "int4") and target.device.type == "cpu":
         quantize_head(head, target.quantization)
+        cpu_forward = Eagle3CpuForward.build(head)
     suffix = None
     if spec_config.enable_suffix_decoding:
         from tokenbudget.spec.suffix import SuffixProposer
         suffix = SuffixProposer.from_config(spec_config, max_model_len)
     runner.set_aux_layers(tuple(c.aux_layer_ids))
-    return Eagle3Proposer(head, target.model.embed, max_model_len, scheduler.config.max_num_batched_tokens, suffix)
-
-
-class _QuantLinearModule(nn.Module):
-    """A ``QuantLinear`` where the head holds an ``nn.Linear``; ``weight`` is an empty tensor that
-    only says the activations' dtype and device (``Eagle3Head.rope``)."""
-
-    def __init__(self, linear: nn.Linear, mode: str) -> None:
-        super().__init__()
-        from tokenbudget.engine.model.quant import QuantLinear
-        self.quant = QuantLinear.from_float(linear.weight.data, mode)
-        self.register_buffer("weight", torch.empty(0, dtype=linear.weight.dtype, device=linear.weight.device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant(x.contiguous())
-
-
-def quantize_head(head: Eagle3Head, mode: str) -> None:
-    """Every linear of ``head`` weight-only quantized in ``mode`` (the draft lm head int8), in place."""
-    from tokenbudget.engine.model.quant import LM_HEAD_MODE
-    layer = head.midlayer
-    head.fc = _QuantLinearModule(head.fc, mode)
-    for owner, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                         (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
-        for name in names:
-            setattr(owner, name, _QuantLinearModule(getattr(owner, name), mode))
-    head.lm_head = _QuantLinearModule(head.lm_head, LM_HEAD_MODE)
+    return Eagle3Proposer(head, target.model.embed, max_model_len, scheduler.config.max_num_batched_tokens, suffix,
+                          cpu_forward)

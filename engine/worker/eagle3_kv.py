@@ -1,8 +1,9 @@
 """The EAGLE-3 head's K/V for one request, and attention over it.
 
 ``HeadState`` keeps what the drafter knows of a request (``engine.worker.eagle3_proposer``): the
-head's K/V over the positions it ran (rows ``[0, n)`` of buffers that grow by doubling; rows past
-``n`` are scratch, the draft steps' K/V), ``next_pos``, the tap rows queued for it, the last run
+head's K/V over the positions it ran (rows ``[0, n)`` of one buffer ``[2, capacity, Hk, D]``, K
+then V, the layout the C forward's attention reads; it grows by doubling; rows past ``n`` are
+scratch, the draft steps' K/V), ``next_pos``, the tap rows queued for it, the last run
 row's output. Rows below ``n`` are never written again and every other field is replaced, never
 mutated, so a snapshot (``snapshot``) is a tuple of references and ``n``: the step transaction's
 undo record.
@@ -21,9 +22,8 @@ import torch.nn.functional as F
 
 @dataclass(slots=True)
 class HeadState:
-    k: torch.Tensor                    # [capacity, kv_heads, D] (after RoPE), positions in increasing order
-    v: torch.Tensor
-    n: int = 0                         # rows of k / v that hold run positions
+    kv: torch.Tensor                   # [2, capacity, kv_heads, D]: K (after RoPE) then V, by position
+    n: int = 0                         # rows of kv that hold run positions
     next_pos: int = 0                  # positions < next_pos: run, or without tap states
     pending: tuple = ()                # ((first position, aux rows [m, 3 * H_t]), ...) not yet run
     pending_rows: int = 0              # rows in pending (counted once, read every step)
@@ -32,19 +32,35 @@ class HeadState:
     last_logits: torch.Tensor | None = None  # its draft logits [V_draft]
     tokens: list | None = None               # the request's all_token_ids (the scheduler's list, read only)
 
+    @classmethod
+    def empty(cls, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str) -> HeadState:
+        return cls(torch.zeros((2, 0, kv_heads, head_dim), dtype=dtype, device=device))
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.kv[0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.kv[1]
+
     def snapshot(self) -> tuple:
-        return (self.k, self.v, self.n, self.next_pos, self.pending, self.pending_rows, self.last_pos, self.last_h,
+        return (self.kv, self.n, self.next_pos, self.pending, self.pending_rows, self.last_pos, self.last_h,
                 self.last_logits, self.tokens)
 
     def reserve(self, rows: int) -> None:
         """Room for ``rows`` rows past ``n`` (a new buffer when full: a snapshot keeps the old one)."""
         need = self.n + rows
-        if need > self.k.shape[0]:
-            cap = max(need, 2 * self.k.shape[0], 64)
-            k = self.k.new_empty((cap, *self.k.shape[1:]))
-            v = self.v.new_empty((cap, *self.v.shape[1:]))
-            k[:self.n], v[:self.n] = self.k[:self.n], self.v[:self.n]
-            self.k, self.v = k, v
+        if need > self.kv.shape[1]:
+            cap = max(need, 2 * self.kv.shape[1], 64)
+            kv = self.kv.new_empty((2, cap, *self.kv.shape[2:]))
+            kv[:, :self.n] = self.kv[:, :self.n]
+            self.kv = kv
+
+    def copy_prefix(self, other: HeadState, rows: int) -> None:
+        """``other``'s first ``rows`` rows as this state's run rows (a new buffer)."""
+        self.kv = other.kv[:, :rows].clone()
+        self.n = self.next_pos = rows
 
     @property
     def covered(self) -> int:

@@ -73,18 +73,20 @@ class Eagle3Proposer(BaseProposer):
     """Drafts with an :class:`Eagle3Head` over the target's embedding (``embed [V, H]``)."""
 
     def __init__(self, head: Eagle3Head, embed: torch.Tensor, max_model_len: int,
-                 max_batch_tokens: int = 2048, suffix=None) -> None:
+                 max_batch_tokens: int = 2048, suffix=None, cpu_forward=None) -> None:
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.head = head
         self.embed = embed
         self.suffix = suffix  # a spec.suffix.SuffixProposer, or None
+        # the head's forward in one C call (engine.model.eagle3_cpu.Eagle3CpuForward), or None: the
+        # head's torch forward
+        self.cpu_forward = cpu_forward
         self.max_model_len = max_model_len
         self.max_batch_tokens = max_batch_tokens
         c = head.config
         w = head.fc.weight
         self.dtype, self.device = w.dtype, w.device
-        self._empty_kv = torch.zeros((0, c.num_key_value_heads, c.head_dim), dtype=self.dtype, device=self.device)
         self._target_ids = head.to_target_ids(torch.arange(c.draft_vocab_size, device=self.device))
         self._state: dict[str, HeadState] = {}
         self._undo: dict[str, tuple | None] = {}
@@ -110,7 +112,7 @@ class Eagle3Proposer(BaseProposer):
                 rows = rows.to(self.dtype)
             st = self._state.get(sr.request_id)
             if st is None:
-                st = self._state[sr.request_id] = HeadState(self._empty_kv, self._empty_kv)
+                st = self._state[sr.request_id] = self._new_state()
             skip = max(0, st.covered - start)  # a recompute after preemption: those rows are queued or run
             if skip >= valid:
                 continue
@@ -160,8 +162,8 @@ class Eagle3Proposer(BaseProposer):
                 tokens = torch.tensor([drafts[i][-1] for i in rows], dtype=torch.long, device=self.device)
                 positions = torch.tensor([requests[i].num_tokens - 2 + j for i in rows], device=self.device)
                 segments = [(states[i], states[i].n + j - 1, 1) for i in rows]
-                h, out = self.head(self.embed[tokens].to(self.dtype), torch.stack([hidden[i] for i in rows]),
-                                   positions, segment_attend(segments))
+                h, out = self._forward(self.embed[tokens].to(self.dtype), torch.stack([hidden[i] for i in rows]),
+                                       positions, segments)
                 for r, i in enumerate(rows):
                     hidden[i] = h[r]
                 self.num_draft_forward_tokens += len(rows)
@@ -224,7 +226,7 @@ class Eagle3Proposer(BaseProposer):
         if rid not in self._undo:
             self._undo[rid] = None if st is None else st.snapshot()
         if st is None:
-            st = self._state[rid] = HeadState(self._empty_kv, self._empty_kv)
+            st = self._state[rid] = self._new_state()
         if st.n == 0 and st.pending and st.pending[0][0] > 0:
             self._borrow_prefix(st, request.all_token_ids)
         st.tokens = request.all_token_ids
@@ -238,8 +240,7 @@ class Eagle3Proposer(BaseProposer):
             if other is st or other.tokens is None or other.n < s or other.n != other.next_pos:
                 continue
             if other.tokens[:s + 1] == tokens[:s + 1]:
-                st.k, st.v = other.k[:s].clone(), other.v[:s].clone()
-                st.n = st.next_pos = s
+                st.copy_prefix(other, s)
                 self.num_borrowed_rows += s
                 return
 
@@ -285,13 +286,10 @@ class Eagle3Proposer(BaseProposer):
             st.reserve(n)
             segments.append((st, st.n, n))
             lengths.append(n)
-        head = self.head
-        fused = head.fuse(torch.cat(hidden).to(device=self.device, dtype=self.dtype))
-        last_rows = torch.tensor(lengths).cumsum(0) - 1  # only each piece's last row has a reader
+        fused = self.head.fuse(torch.cat(hidden).to(device=self.device, dtype=self.dtype))
         with _threads(self._threads if sum(lengths) > SMALL_WORK else 1):
-            h, logits = head(self.embed[torch.cat(ids).to(self.device)].to(self.dtype), fused,
-                             torch.cat(positions).to(self.device), segment_attend(segments, last_only=True),
-                             out_rows=last_rows.to(self.device))
+            h, logits = self._forward(self.embed[torch.cat(ids).to(self.device)].to(self.dtype), fused,
+                                      torch.cat(positions).to(self.device), segments)
         self.num_catchup_tokens += sum(lengths)
         for r, (i, start, rows) in enumerate(pieces):
             st = states[i]
@@ -299,6 +297,25 @@ class Eagle3Proposer(BaseProposer):
             st.n += n
             st.next_pos = start + n
             st.last_pos, st.last_h, st.last_logits = start + n - 1, h[r], logits[r]
+
+    def _forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                 segments: list[tuple[HeadState, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head forward over ``segments`` (``(state, at, n)``: the next ``n`` rows are that
+        request's, their K/V go to its rows ``[at, at + n)``): every row's K/V, and the output
+        (pre-norm ``h``, draft logits) of each segment's last row, in the C call or the head's
+        torch forward."""
+        if self.cpu_forward is not None:
+            return self.cpu_forward(embeds, hidden, positions, [(st.kv, at, n) for st, at, n in segments])
+        lengths = [n for _, _, n in segments]
+        if len(lengths) == embeds.shape[0]:  # a draft step: one row each, every row has a reader
+            return self.head(embeds, hidden, positions, segment_attend(segments))
+        last_rows = torch.tensor(lengths).cumsum(0) - 1
+        return self.head(embeds, hidden, positions, segment_attend(segments, last_only=True),
+                         out_rows=last_rows.to(self.device))
+
+    def _new_state(self) -> HeadState:
+        c = self.head.config
+        return HeadState.empty(c.num_key_value_heads, c.head_dim, self.dtype, self.device)
 
     def _sample(self, draft_logits: torch.Tensor, requests, rows: list[int], drafts, probs) -> None:
         """Plain greedy rows (no bans, bias, processors or penalties) take the argmax over the

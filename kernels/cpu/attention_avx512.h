@@ -1,5 +1,5 @@
 /* The AVX-512 variant's attention and the 16-lane helpers its norm and SiLU use (included by
- * decoder_forward.c when TB_AVX512_VNNI). */
+ * decoder_ops.h when TB_AVX512_VNNI). */
 /* The AVX-512 variant's attention, norm and SiLU in intrinsics (gcc does not vectorize the
  * portable loops: scalar sum16 per key, scalar exp). The same IEEE operations in the same order as
  * the portable code (multiplies and adds separate, no FMA; sum16's tree done on 16 keys at once),

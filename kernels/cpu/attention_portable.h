@@ -1,5 +1,5 @@
 /* The attention of every variant but AVX-512 (AVX2, AVX-VNNI, NEON, scalar), included by
- * decoder_forward.c, in generic vectors of the variant's register width (vn: 8 floats on AVX2 and
+ * decoder_ops.h, in generic vectors of the variant's register width (vn: 8 floats on AVX2 and
  * AVX-VNNI, 4 on NEON and the SSE2 baseline; gcc and clang vector extensions). The operations and
  * their order are the contract stated above attend_rows' include (what the scalar loops computed,
  * and attention_avx512.h computes): a key's score is its q . k in 16 lanes (position i in lane

@@ -3,7 +3,8 @@ with ctypes.
 
 One source, built once per **variant** (``VARIANTS``): the GEMM driver ``quant_gemm.c`` with the
 variant's tile kernels (``gemm_<variant>.h``, picked by the ``-DTB_<VARIANT>`` in its flags) and
-the decoder forward ``decoder_forward.c`` (portable C; the variant's flags vectorize it). Why not a
+the decoder forward ``decoder_forward.c`` and the EAGLE-3 head's forward ``eagle3_head.c``
+(portable C over the row ops of ``decoder_ops.h``; the variant's flags vectorize it). Why not a
 torch C++ extension: compiling against torch's headers is slow, these files compile with the
 system C compiler (gcc or clang) in seconds and need nothing from torch. Each library is cached
 under ``$TOKENBUDGET_CACHE`` (default ``~/.cache/tokenbudget``)/native keyed by the sources, the
@@ -45,7 +46,7 @@ from tokenbudget.api.paths import cache_dir
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "quant_gemm.c", HERE / "decoder_forward.c")
+SOURCES = (HERE / "quant_gemm.c", HERE / "decoder_forward.c", HERE / "eagle3_head.c")
 HEADERS = tuple(sorted(HERE.glob("*.h")))
 # What every variant is compiled with: no contraction into FMA and no -ffast-math, so the float
 # operations are the ones written (the float rule in quant_gemm.c; variants agree bitwise).
@@ -87,6 +88,8 @@ _SIGNATURES = {
     "tb_quantize_rows": ([_P, _I64, _I64, _P, _P], None),
     # one TbForward struct (decoder_forward.py mirrors it)
     "tb_forward": ([_P], _INT),
+    # one TbEagle3 struct (eagle3_head.py mirrors it)
+    "tb_eagle3": ([_P], _INT),
     "tb_variant": ([], ctypes.c_char_p),
 }
 
