@@ -13,6 +13,7 @@ from tokenbudget.engine.worker.eagle3_kv import HeadState, segment_attend
 from tokenbudget.kernels.cpu.native import library, unavailable_reason
 
 from eagle3_fixtures import random_head
+from native_variants import use_variant
 
 pytestmark = pytest.mark.skipif(library() is None, reason=f"no C kernels: {unavailable_reason()}")
 
@@ -88,6 +89,22 @@ def test_norm_before_residual() -> None:
                              out_rows=torch.tensor([2]))
     torch.testing.assert_close(h_c, h_t, rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(logits_c, logits_t, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_every_variant_gives_the_scalar_variants_bits(variant, mode, monkeypatch) -> None:
+    """The head's call is the decoder forward's row ops and GEMMs, so each kernel variant (AVX-512
+    VNNI, AVX-VNNI, AVX2; NEON builds under qemu, tests/test_neon_qemu.py) gives the scalar one's bits."""
+    head, forward = _head(mode)
+    lens = (4, 1, 1)
+    embeds, hidden, positions, kv = _inputs(head, lens, 40, seed=9)  # 40 cached rows: key chunks and a tail
+    got_kv = [b.clone() for b in kv]
+    got = forward(embeds, hidden, positions, [(b, 40, m) for b, m in zip(got_kv, lens)])
+    use_variant("scalar", monkeypatch)
+    want_kv = [b.clone() for b in kv]
+    want = forward(embeds, hidden, positions, [(b, 40, m) for b, m in zip(want_kv, lens)])
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got_kv, want_kv))
 
 
 def test_bad_arguments_are_refused() -> None:

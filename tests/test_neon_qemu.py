@@ -44,7 +44,8 @@ def driver(tmp_path_factory) -> list[str]:
     src = ROOT / "kernels" / "cpu"
     proc = subprocess.run([cc, *native.COMMON_CFLAGS[:2], *native.BY_NAME["neon"].cflags, "-fopenmp",
                            "-I", str(src), "-o", str(exe), str(ROOT / "tests" / "native_driver.c"),
-                           str(src / "quant_gemm.c"), "-lm"], capture_output=True, text=True)
+                           str(src / "quant_gemm.c"), str(src / "eagle3_head.c"), "-lm"],  # the head: built, not run
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return [*runner, str(exe)]
 
