@@ -6,10 +6,11 @@ step) saves against the head's torch forward, in the engine: the same LLM, its p
         --max-new-tokens 128 --threads 1 [--json out.json]
 
 Batch 1, greedy, the default model (int4 on the C kernels) and its shipped head, Spec-Bench
-prompts of the chosen categories (chat-templated, cut to ``--max-prompt-tokens``). Per
-configuration: tokens/s and its ratio to plain over the whole run, τ (tokens per verify of a
-drafted request), and the drafter's time per engine step (``propose``: the head's catch-up and
-draft steps, sampling included) and per drafted token. Every output must equal plain decoding.
+prompts of the chosen categories (chat-templated, cut to ``--max-prompt-tokens``), no prefix
+caching. Per configuration: decode tokens/s (after the first token, as ``spec_cpu``) and its
+ratio to plain over the whole run, τ (tokens per verify of a drafted request), and the drafter's
+time per ``propose`` call (the head's catch-up and draft steps, sampling included) and per
+drafted token. Every output must equal plain decoding.
 """
 
 from __future__ import annotations
@@ -38,13 +39,17 @@ def main(argv=None) -> dict:
 
     from tokenbudget import LLM
 
-    plain = LLM(num_threads=args.threads)
+    # no prefix caching: each prompt runs twice on one engine (torch head, C head), and a cache hit
+    # would skip the second run's prefill and the head's rows for it
+    common = dict(num_threads=args.threads, max_model_len=args.max_prompt_tokens + args.max_new_tokens + 64,
+                  kv_cache_memory_bytes=256 * 1024 * 1024, enable_prefix_caching=False)
+    plain = LLM(**common)
     tok = plain.tokenizer
     prompts = [chat_token_ids(tok, p.text, args.max_prompt_tokens)
                for p in spec_bench(args.per_category, tuple(args.categories))]
     engines = {}
     for k in args.k:
-        llm = LLM(num_threads=args.threads, speculative_config={
+        llm = LLM(**common, speculative_config={
             "method": "eagle3", "num_speculative_tokens": k if k == "auto" else int(k)})
         proposer = llm.engine.speculator.proposer
         if proposer.cpu_forward is None:
@@ -55,9 +60,9 @@ def main(argv=None) -> dict:
     totals = {c: {"seconds": 0.0, "tokens": 0, "propose_s": 0.0, "steps": 0} for c in configs}
     spec_before = {}
 
-    def run(config: str, ids: list[int]) -> list[int]:
+    def run(config: str, ids: list[int]):
         if config == "plain":
-            return engine_generate(plain, [ids], args.max_new_tokens).token_ids[0]
+            return engine_generate(plain, [ids], args.max_new_tokens)
         k, way = config.split(" ", 1)
         llm, proposer, c_forward = engines[k.removeprefix("k=")]
         proposer.cpu_forward = c_forward if way == "C head" else None
@@ -73,7 +78,7 @@ def main(argv=None) -> dict:
 
         proposer.propose = timed
         try:
-            out = engine_generate(llm, [ids], args.max_new_tokens).token_ids[0]
+            out = engine_generate(llm, [ids], args.max_new_tokens)
         finally:
             del proposer.propose
         cell = totals[config]
@@ -89,10 +94,10 @@ def main(argv=None) -> dict:
                 llm = engines[config.split(" ", 1)[0].removeprefix("k=")][0]
                 st = llm.get_spec_stats()
                 spec_before[config] = (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens)
-            t = time.perf_counter()
-            outs[config] = run(config, ids)
-            totals[config]["seconds"] += time.perf_counter() - t
-            totals[config]["tokens"] += len(outs[config])
+            timing = run(config, ids)
+            outs[config] = timing.token_ids[0]
+            totals[config]["seconds"] += timing.decode_s  # after the first token: decoding alone
+            totals[config]["tokens"] += len(outs[config]) - 1
             if config != "plain":
                 after = llm.get_spec_stats()
                 cell = totals[config]

@@ -43,13 +43,14 @@ def default_loaded():
 
 
 @functools.cache
-def default_target():
-    """The default model built once (fp32, CPU); pass it as ``LLM(default_target(), ...)``."""
+def default_target(quantization: str = "none"):
+    """The default model built from the file read once (fp32, CPU; ``quantization`` as
+    ``LLM``'s); pass it as ``LLM(default_target(), ...)``."""
     from tokenbudget.engine.loader import LoadedModel
     from tokenbudget.engine.loader.target import build_target
     base = default_loaded()
     copy = LoadedModel(base.config, dict(base.state_dict), base.tokenizer, base.source, base.weight_type)
-    return build_target(copy, torch.float32, torch.device("cpu"))
+    return build_target(copy, torch.float32, torch.device("cpu"), quantization)
 
 
 def assert_all_blocks_free(engine) -> None:

@@ -285,19 +285,23 @@ def test_pending_tap_rows_are_capped(dirs, baseline, monkeypatch) -> None:
 
 
 def test_shipped_head_on_the_default_model() -> None:
-    """``"model"`` omitted: the head shipped for SmolLM2-135M-Instruct, on the default model's C
-    forward (int4, the head quantized alike); greedy output equals plain decoding."""
+    """``"model"`` omitted: the head shipped for SmolLM2-135M-Instruct, on the default model as
+    users run it (int4 on the C kernels: the head quantized alike, its lm head too, and its
+    forward the C call where the C kernels run); greedy output equals plain decoding."""
+    from tokenbudget.kernels.cpu.native import library
     from tokenbudget.engine.worker.eagle3_build import shipped_head_dir
 
     from engine_fixtures import ENGINE_OPTS, default_target
 
     prompts = ["Tell me about the moon.", "def fibonacci(n):"]
-    target = default_target()
+    target = default_target("auto")
     want = token_ids(LLM(target, **ENGINE_OPTS), prompts, greedy(24))
     llm = LLM(target, speculative_config={"method": "eagle3", "num_speculative_tokens": 3}, **ENGINE_OPTS)
     assert token_ids(llm, prompts, greedy(24)) == want
     proposer = llm.engine.speculator.proposer
     assert proposer.head.config.aux_layer_ids == (2, 15, 27) and os.path.isdir(shipped_head_dir())
+    assert proposer.head.lm_head.quant.mode == "int4"  # the draft lm head follows the target's int4
+    assert (proposer.cpu_forward is not None) == (library() is not None)
     assert llm.get_spec_stats().num_draft_tokens > 0 and proposer.num_tracked_requests == 0
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tokenbudget.engine.model.eagle3 import Eagle3Head
-from tokenbudget.engine.model.quant import LM_HEAD_MODE, QuantLinear
+from tokenbudget.engine.model.quant import QuantLinear
 from tokenbudget.kernels.cpu.decoder_forward import TbLinear
 from tokenbudget.kernels.cpu.eagle3_head import TbEagle3, tb_eagle3
 from tokenbudget.kernels.cpu.native import library
@@ -39,15 +39,22 @@ class QuantLinearModule(nn.Module):
         return self.quant(x.contiguous())
 
 
-def quantize_head(head: Eagle3Head, mode: str) -> None:
-    """Every linear of ``head`` weight-only quantized in ``mode`` (the draft lm head int8), in place."""
+def quantize_head(head: Eagle3Head, mode: str, lm_head_mode: str | None = None) -> None:
+    """Every linear of ``head`` weight-only quantized in ``mode``, the draft lm head too (or in
+    ``lm_head_mode``), in place.
+
+    Unlike the target's lm head (int8 in both modes, ``quant.LM_HEAD_MODE``), the draft lm head
+    follows ``mode``: it is more than half of the bytes a draft step reads (4096 x 576 for the
+    shipped head: 2.36 MB int8, 1.47 MB int4, the rest of the layer 1.7 MB in int4), a draft step at
+    batch 1 costs about its bytes read from memory, and int4 left the shipped head's held-out τ
+    where it was (2.113 int8, 2.111 int4; benches/eagle3_lm_head.py, benches/RESULTS.md)."""
     layer = head.midlayer
     head.fc = QuantLinearModule(head.fc, mode)
     for owner, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
                          (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
         for name in names:
             setattr(owner, name, QuantLinearModule(getattr(owner, name), mode))
-    head.lm_head = QuantLinearModule(head.lm_head, LM_HEAD_MODE)
+    head.lm_head = QuantLinearModule(head.lm_head, lm_head_mode or mode)
 
 
 def _native(module) -> TbLinear | None:
