@@ -288,8 +288,8 @@ def test_shipped_head_on_the_default_model() -> None:
     """``"model"`` omitted: the head shipped for SmolLM2-135M-Instruct, on the default model as
     users run it (int4 on the C kernels: the head quantized alike, its lm head too, and its
     forward the C call where the C kernels run); greedy output equals plain decoding."""
-    from tokenbudget.kernels.cpu.native import library
     from tokenbudget.engine.worker.eagle3_build import shipped_head_dir
+    from tokenbudget.kernels.cpu.native import library
 
     from engine_fixtures import ENGINE_OPTS, default_target
 

@@ -14,11 +14,13 @@ segment's last row queries: every row's K/V is written, one output per segment.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
 from tokenbudget.engine.model.eagle3 import Eagle3Head
-from tokenbudget.engine.model.quant import QuantLinear
+from tokenbudget.engine.model.quant import Q8Embedding, QuantLinear
 from tokenbudget.kernels.cpu.decoder_forward import TbLinear
 from tokenbudget.kernels.cpu.eagle3_head import TbEagle3, tb_eagle3
 from tokenbudget.kernels.cpu.native import library
@@ -68,75 +70,98 @@ def _native(module) -> TbLinear | None:
 
 
 class Eagle3CpuForward:
-    """The head's forward as one ``tb_eagle3`` call (module doc). Holds the C view of the head's
-    weights; the head owns them."""
+    """The head's forward as one ``tb_eagle3`` call (module doc), from token ids and tap states
+    (or the previous draft step's outputs) to each segment's output, logits and greedy draft.
+    Holds the C view of the head's weights and the target's embedding; they own them."""
 
-    def __init__(self, head: Eagle3Head, linears: dict[str, TbLinear]) -> None:
-        self.head = head
+    def __init__(self, head: Eagle3Head, embed, linears: dict[str, TbLinear]) -> None:
+        self.head, self.embed = head, embed
         c, layer = head.config, head.midlayer
-        self._norms = [n.weight.detach().contiguous() for n in
-                       (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, head.norm)]
-        self._linears = linears
-        self._scale = c.head_dim ** -0.5
+        self._keep = [n.weight.detach().contiguous() for n in
+                      (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, head.norm)]
+        self._d2t = head.d2t.to(torch.int64).contiguous()
+        norms = [t.data_ptr() for t in self._keep]
+        if isinstance(embed, torch.Tensor):
+            tables = dict(embed_f32=embed.data_ptr())
+        else:
+            tables = dict(embed_codes=embed.codes.data_ptr(), embed_scales=embed.scales.data_ptr())
+        # the fields every call shares; __call__ sets the rest
+        self._args = TbEagle3(
+            hidden=c.hidden_size, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim, intermediate=c.intermediate_size, draft_vocab=c.draft_vocab_size,
+            norm_before_residual=int(c.norm_before_residual), aux_width=3 * c.target_hidden_size,
+            eps=c.rms_norm_eps, scale=c.head_dim ** -0.5, input_norm=norms[0], hidden_norm=norms[1],
+            post_norm=norms[2], norm=norms[3], d2t=self._d2t.data_ptr(), **linears, **tables)
 
     @classmethod
-    def build(cls, head: Eagle3Head) -> Eagle3CpuForward | None:
-        """The C forward of ``head``, or None where it cannot run: no C kernels, a head not fp32 on
-        the CPU, a linear not on the C kernels (``quantize_head``), a head size the row ops do not
-        take (hidden a multiple of 16; head_dim a multiple of 16, at most 256)."""
+    def build(cls, head: Eagle3Head, embed) -> Eagle3CpuForward | None:
+        """The C forward of ``head`` over the target's ``embed`` (an fp32 ``[V, H]`` table or a
+        ``quant.Q8Embedding``), or None where it cannot run: no C kernels, a head not fp32 on the
+        CPU, a linear not on the C kernels (``quantize_head``), a head size the row ops do not take
+        (hidden a multiple of 32; head_dim a multiple of 16, at most 256), another embedding."""
         c = head.config
         if library() is None or head.fc.weight.dtype != torch.float32 or head.fc.weight.device.type != "cpu":
             return None
-        if c.hidden_size % 16 or c.head_dim % 16 or c.head_dim > 256:
+        if c.hidden_size % 32 or c.head_dim % 16 or c.head_dim > 256:
+            return None
+        if isinstance(embed, torch.Tensor):
+            if embed.dtype != torch.float32 or embed.device.type != "cpu" or not embed.is_contiguous():
+                return None
+        elif not isinstance(embed, Q8Embedding):
+            return None
+        if tuple(embed.shape) != (c.vocab_size, c.hidden_size):
             return None
         attn, mlp = head.midlayer.self_attn, head.midlayer.mlp
-        modules = {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj, "o": attn.o_proj, "gate": mlp.gate_proj,
-                   "up": mlp.up_proj, "down": mlp.down_proj, "lm_head": head.lm_head}
+        modules = {"fc": head.fc, "q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj, "o": attn.o_proj,
+                   "gate": mlp.gate_proj, "up": mlp.up_proj, "down": mlp.down_proj, "lm_head": head.lm_head}
         linears = {name: _native(m) for name, m in modules.items()}
         if any(lin is None for lin in linears.values()):
             return None
-        return cls(head, linears)
+        return cls(head, embed, linears)
 
-    def __call__(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                 segments: list[tuple[torch.Tensor, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``embeds``, ``hidden`` ``[T, H]``, ``positions [T]``; ``segments[s] = (kv, at, n)``: the next
-        ``n`` rows are one request's, their K/V go to rows ``[at, at + n)`` of ``kv [2, cap, Hk, D]``
-        (K then V, fp32, contiguous) after the ``at`` rows there. -> (pre-norm output ``[S, H]``,
-        draft logits ``[S, V_draft]``) of each segment's last row."""
-        c, head = self.head.config, self.head
-        t, ns = embeds.shape[0], len(segments)
-        if sum(n for _, _, n in segments) != t or hidden.shape[0] != t or positions.shape[0] != t or t == 0:
-            raise ValueError(f"segments cover {sum(n for _, _, n in segments)} rows of {t} (hidden "
-                             f"{hidden.shape[0]}, positions {positions.shape[0]})")
-        rope = head.rope()
-        lo, hi = torch.aminmax(positions)
-        if lo < 0 or hi >= rope.max_pos:
-            raise IndexError(f"positions must be in [0, {rope.max_pos}), got [{int(lo)}, {int(hi)}]")
+    def __call__(self, token_ids: Sequence[int], states: torch.Tensor, positions: Sequence[int],
+                 segments: Sequence[tuple[torch.Tensor, int, int]], fuse: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Rows ``r < T``: the input token ``token_ids[r]`` at ``positions[r]``, and ``states[r]``:
+        the target's tap states ``[3 * H_target]`` (``fuse``: ``fc`` applies) or the hidden state
+        ``[H]``. ``segments[s] = (kv, at, n)``: the next ``n`` rows are one request's, their K/V go
+        to rows ``[at, at + n)`` of ``kv [2, cap, Hk, D]`` (K then V, fp32, contiguous) after the
+        ``at`` rows there. -> (pre-norm output ``[S, H]``, draft logits ``[S, V_draft]``, greedy
+        draft as a target id) of each segment's last row."""
+        c = self.head.config
+        t, ns = len(token_ids), len(segments)
+        width = 3 * c.target_hidden_size if fuse else c.hidden_size
+        if (t == 0 or len(positions) != t or sum(n for _, _, n in segments) != t
+                or states.shape != (t, width) or states.dtype != torch.float32 or not states.is_contiguous()):
+            raise ValueError(f"{t} token ids, {len(positions)} positions, states {tuple(states.shape)} "
+                             f"{states.dtype} (want [T, {width}] float32), segments of "
+                             f"{sum(n for _, _, n in segments)} rows")
+        rope = self.head.rope()
+        if min(positions) < 0 or max(positions) >= rope.max_pos:
+            raise IndexError(f"positions must be in [0, {rope.max_pos}), got [{min(positions)}, {max(positions)}]")
+        if min(token_ids) < 0 or max(token_ids) >= c.vocab_size:
+            raise IndexError(f"token ids must be in [0, {c.vocab_size}), got [{min(token_ids)}, {max(token_ids)}]")
         kv_shape = (2, c.num_key_value_heads, c.head_dim)
         for kv, at, n in segments:
             if (kv.dtype != torch.float32 or not kv.is_contiguous() or (kv.shape[0], *kv.shape[2:]) != kv_shape
                     or at < 0 or n < 1 or at + n > kv.shape[1]):
                 raise ValueError(f"segment ({at}, {n}) does not fit its K/V buffer {tuple(kv.shape)} {kv.dtype}")
-        embeds = embeds.to(torch.float32).contiguous()
-        hidden = hidden.to(torch.float32).contiguous()
-        pos = positions.to(torch.int64).contiguous()
-        seg = torch.tensor([[kv.data_ptr(), kv.shape[1], at, n] for kv, at, n in segments], dtype=torch.int64)
-        seg = seg.T.contiguous()  # rows: buffer addresses, capacities, at, n
+        ints = torch.tensor([*token_ids, *positions, *(kv.data_ptr() for kv, _, _ in segments),
+                             *(kv.shape[1] for kv, _, _ in segments), *(at for _, at, _ in segments),
+                             *(n for _, _, n in segments)], dtype=torch.int64)
+        base = ints.data_ptr()
         h_out = torch.empty(ns, c.hidden_size)
         logits = torch.empty(ns, c.draft_vocab_size)
-        lin = self._linears
-        tb_eagle3(TbEagle3(
-            num_rows=t, num_segments=ns, hidden=c.hidden_size, num_heads=c.num_attention_heads,
-            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, intermediate=c.intermediate_size,
-            draft_vocab=c.draft_vocab_size, num_threads=torch.get_num_threads(),
-            norm_before_residual=int(c.norm_before_residual), eps=c.rms_norm_eps, scale=self._scale,
-            input_norm=self._norms[0].data_ptr(), hidden_norm=self._norms[1].data_ptr(),
-            post_norm=self._norms[2].data_ptr(), norm=self._norms[3].data_ptr(),
-            q=lin["q"], k=lin["k"], v=lin["v"], o=lin["o"], gate=lin["gate"], up=lin["up"], down=lin["down"],
-            lm_head=lin["lm_head"], embeds=embeds.data_ptr(), hidden_in=hidden.data_ptr(), positions=pos.data_ptr(),
-            cos=rope.cos.data_ptr(), sin=rope.sin.data_ptr(), seg_kv=seg[0].data_ptr(), seg_cap=seg[1].data_ptr(),
-            seg_at=seg[2].data_ptr(), seg_rows=seg[3].data_ptr(), h_out=h_out.data_ptr(), logits=logits.data_ptr()))
-        return h_out, logits
+        greedy = torch.empty(ns, dtype=torch.int64)
+        a = self._args
+        a.num_rows, a.num_segments, a.num_threads = t, ns, torch.get_num_threads()
+        a.token_ids, a.positions = base, base + 8 * t
+        a.seg_kv, a.seg_cap, a.seg_at, a.seg_rows = (base + 8 * (2 * t + i * ns) for i in range(4))
+        a.aux, a.hidden_in = (states.data_ptr(), 0) if fuse else (0, states.data_ptr())
+        a.cos, a.sin = rope.cos.data_ptr(), rope.sin.data_ptr()
+        a.h_out, a.logits, a.greedy = h_out.data_ptr(), logits.data_ptr(), greedy.data_ptr()
+        tb_eagle3(a)
+        return h_out, logits, greedy.tolist()
 
 
 __all__ = ["Eagle3CpuForward", "QuantLinearModule", "quantize_head"]

@@ -73,7 +73,7 @@ def build_eagle3_proposer(spec_config, max_model_len: int, target, scheduler, ru
     cpu_forward = None
     if target.quantization in ("int8", "int4") and target.device.type == "cpu":
         quantize_head(head, target.quantization)
-        cpu_forward = Eagle3CpuForward.build(head)
+        cpu_forward = Eagle3CpuForward.build(head, target.model.embed)
     suffix = None
     if spec_config.enable_suffix_decoding:
         from tokenbudget.spec.suffix import SuffixProposer

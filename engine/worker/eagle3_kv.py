@@ -30,6 +30,7 @@ class HeadState:
     last_pos: int = -1                 # position of the last row run
     last_h: torch.Tensor | None = None       # its pre-norm output [H]
     last_logits: torch.Tensor | None = None  # its draft logits [V_draft]
+    last_greedy: int | None = None           # their first largest, as a target id (the C forward gives it)
     tokens: list | None = None               # the request's all_token_ids (the scheduler's list, read only)
 
     @classmethod
@@ -46,7 +47,7 @@ class HeadState:
 
     def snapshot(self) -> tuple:
         return (self.kv, self.n, self.next_pos, self.pending, self.pending_rows, self.last_pos, self.last_h,
-                self.last_logits, self.tokens)
+                self.last_logits, self.last_greedy, self.tokens)
 
     def reserve(self, rows: int) -> None:
         """Room for ``rows`` rows past ``n`` (a new buffer when full: a snapshot keeps the old one)."""

@@ -153,21 +153,19 @@ class Eagle3Proposer(BaseProposer):
         active = [i for i in active if states[i].last_pos == requests[i].num_tokens - 2]
         if active:
             logits = torch.stack([states[i].last_logits for i in active])
-            self._sample(logits, requests, active, drafts, probs)
+            self._sample(logits, requests, active, drafts, probs, [states[i].last_greedy for i in active])
             hidden = {i: states[i].last_h for i in active}
             for i in active:
                 states[i].reserve(ks[i] - 1)  # the draft steps' K/V: scratch rows past n
             for j in range(1, max(ks[i] for i in active)):
                 rows = [i for i in active if ks[i] > j]
-                tokens = torch.tensor([drafts[i][-1] for i in rows], dtype=torch.long, device=self.device)
-                positions = torch.tensor([requests[i].num_tokens - 2 + j for i in rows], device=self.device)
-                segments = [(states[i], states[i].n + j - 1, 1) for i in rows]
-                h, out = self._forward(self.embed[tokens].to(self.dtype), torch.stack([hidden[i] for i in rows]),
-                                       positions, segments)
+                h, out, greedy = self._forward([drafts[i][-1] for i in rows], torch.stack([hidden[i] for i in rows]),
+                                               [requests[i].num_tokens - 2 + j for i in rows],
+                                               [(states[i], states[i].n + j - 1, 1) for i in rows], fuse=False)
                 for r, i in enumerate(rows):
                     hidden[i] = h[r]
                 self.num_draft_forward_tokens += len(rows)
-                self._sample(out, requests, rows, drafts, probs)
+                self._sample(out, requests, rows, drafts, probs, greedy)
         self._probs = [torch.stack(p) if p else None for p in probs]
         return drafts
 
@@ -279,17 +277,16 @@ class Eagle3Proposer(BaseProposer):
             st = states[i]
             st.next_pos = max(st.next_pos, start)  # a gap: positions without tap states
             n = rows.shape[0]
-            req_tokens = requests[i].all_token_ids
-            ids.append(torch.tensor(req_tokens[start + 1:start + 1 + n], dtype=torch.long))
-            positions.append(torch.arange(start, start + n))
+            ids += requests[i].all_token_ids[start + 1:start + 1 + n]
+            positions += range(start, start + n)
             hidden.append(rows)
             st.reserve(n)
             segments.append((st, st.n, n))
             lengths.append(n)
-        fused = self.head.fuse(torch.cat(hidden).to(device=self.device, dtype=self.dtype))
+        aux = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
         with _threads(self._threads if sum(lengths) > SMALL_WORK else 1):
-            h, logits = self._forward(self.embed[torch.cat(ids).to(self.device)].to(self.dtype), fused,
-                                      torch.cat(positions).to(self.device), segments)
+            h, logits, greedy = self._forward(ids, aux.to(device=self.device, dtype=self.dtype).contiguous(),
+                                              positions, segments, fuse=True)
         self.num_catchup_tokens += sum(lengths)
         for r, (i, start, rows) in enumerate(pieces):
             st = states[i]
@@ -297,33 +294,47 @@ class Eagle3Proposer(BaseProposer):
             st.n += n
             st.next_pos = start + n
             st.last_pos, st.last_h, st.last_logits = start + n - 1, h[r], logits[r]
+            st.last_greedy = None if greedy is None else greedy[r]
 
-    def _forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                 segments: list[tuple[HeadState, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One head forward over ``segments`` (``(state, at, n)``: the next ``n`` rows are that
-        request's, their K/V go to its rows ``[at, at + n)``): every row's K/V, and the output
-        (pre-norm ``h``, draft logits) of each segment's last row, in the C call or the head's
-        torch forward."""
+    def _forward(self, ids: list[int], states: torch.Tensor, positions: list[int],
+                 segments: list[tuple[HeadState, int, int]], fuse: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[int] | None]:
+        """One head forward over rows with input tokens ``ids`` at ``positions``, from ``states``:
+        the target's tap states (``fuse``: a catch-up) or the previous draft step's outputs. Rows
+        come in ``segments`` (``(state, at, n)``: the next ``n`` rows are that request's, their K/V
+        go to its rows ``[at, at + n)``): every row's K/V is written, and each segment's last row
+        gives its output: (pre-norm ``h``, draft logits, greedy draft as a target id or None), in
+        the C call or the head's torch forward."""
         if self.cpu_forward is not None:
-            return self.cpu_forward(embeds, hidden, positions, [(st.kv, at, n) for st, at, n in segments])
+            return self.cpu_forward(ids, states, positions, [(st.kv, at, n) for st, at, n in segments], fuse)
+        head = self.head
+        embeds = self.embed[torch.tensor(ids, dtype=torch.long, device=self.device)].to(self.dtype)
+        hidden = head.fuse(states) if fuse else states
+        pos = torch.tensor(positions, device=self.device)
         lengths = [n for _, _, n in segments]
-        if len(lengths) == embeds.shape[0]:  # a draft step: one row each, every row has a reader
-            return self.head(embeds, hidden, positions, segment_attend(segments))
+        if len(lengths) == len(ids):  # one row each (a draft step): every row has a reader
+            h, logits = head(embeds, hidden, pos, segment_attend(segments))
+            return h, logits, None
         last_rows = torch.tensor(lengths).cumsum(0) - 1
-        return self.head(embeds, hidden, positions, segment_attend(segments, last_only=True),
+        h, logits = head(embeds, hidden, pos, segment_attend(segments, last_only=True),
                          out_rows=last_rows.to(self.device))
+        return h, logits, None
 
     def _new_state(self) -> HeadState:
         c = self.head.config
         return HeadState.empty(c.num_key_value_heads, c.head_dim, self.dtype, self.device)
 
-    def _sample(self, draft_logits: torch.Tensor, requests, rows: list[int], drafts, probs) -> None:
+    def _sample(self, draft_logits: torch.Tensor, requests, rows: list[int], drafts, probs,
+                greedy: list[int | None] | None = None) -> None:
         """Plain greedy rows (no bans, bias, processors or penalties) take the argmax over the
         draft vocabulary directly (the same token as the argmax of the scattered row: ``OUTSIDE``
-        never wins); the others go through the shared model-drafter sampling on the target
-        vocabulary."""
+        never wins), ``greedy[r]`` where the forward gave it; the others go through the shared
+        model-drafter sampling on the target vocabulary."""
         plain = [r for r, i in enumerate(rows) if _plain_greedy(requests[i])]
-        if plain:
+        if plain and greedy is not None and all(greedy[r] is not None for r in plain):
+            for r in plain:
+                drafts[rows[r]].append(greedy[r])
+        elif plain:
             idx = torch.tensor(plain, dtype=torch.long, device=draft_logits.device)
             for r, t in zip(plain, self.head.to_target_ids(draft_logits[idx].argmax(dim=-1)).tolist()):
                 drafts[rows[r]].append(t)

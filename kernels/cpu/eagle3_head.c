@@ -2,10 +2,11 @@
  * call (tb_eagle3), over the head's q4/q8 linears: its one decoder layer, final norm and draft lm
  * head, for the rows of several requests at once.
  *
- * Why: a draft step at batch 1 is one row through ~40 small torch ops (norms, a concatenation,
- * seven GEMMs, RoPE, attention as two batched matmuls, SiLU, residual adds, the lm head), each a
- * few microseconds of dispatch, run k times per engine step right after the target's forward has
- * evicted the head from the caches. One call does all of it; what remains is reading the weights.
+ * Why: a draft step at batch 1 is one row through ~40 small torch ops (the embedding lookup, norms,
+ * a concatenation, seven GEMMs, RoPE, attention as two batched matmuls, SiLU, residual adds, the lm
+ * head, the argmax), each a few microseconds of dispatch, run k times per engine step right after
+ * the target's forward has evicted the head from the caches. One call does all of it; what remains
+ * is reading the weights.
  *
  * Rows come in segments, one per request: segment s is seg_rows[s] consecutive positions of one
  * request whose K/V go to rows [seg_at[s], seg_at[s] + seg_rows[s]) of its own buffer
@@ -16,6 +17,11 @@
  * the head is one layer, so a row whose output nobody reads needs only its K/V. A draft step is S
  * segments of one row; the catch-up over a prompt is one segment of many rows.
  *
+ * The call starts from the rows' token ids and either the target's tap states (fused by fc: a
+ * catch-up) or the previous draft step's outputs, and ends with each segment's greedy draft (the
+ * first largest logit, as a target id): every step of drafting at batch 1 but the sampling of
+ * non-greedy requests, which reads the logits.
+ *
  * Row ops, attention and GEMMs are decoder_forward.c's (decoder_ops.h): each row is computed from
  * itself and its own context, so a request's drafts do not depend on the batch.
  */
@@ -25,17 +31,43 @@
 
 typedef struct {
     int64_t num_rows, num_segments, hidden, num_heads, num_kv_heads, head_dim, intermediate, draft_vocab,
-        num_threads, norm_before_residual;
+        num_threads, norm_before_residual, aux_width;
     float eps, scale; /* RMSNorm epsilon, softmax scale */
     const float *input_norm, *hidden_norm, *post_norm, *norm;
-    Lin q, k, v, o, gate, up, down, lm_head;
-    const float *embeds, *hidden_in; /* [T][H]: the input token's embedding, the hidden state */
+    Lin fc, q, k, v, o, gate, up, down, lm_head;
+    /* the input token's embedding: row token_ids[r] of embed_f32 [V][H], or (embed_f32 null) of
+     * the Q8_0 table embed_codes [V][H] int8 x embed_scales [V][H / 32] fp16, as Q8Embedding
+     * dequantizes it (code * scale, one float multiply) */
+    const int64_t *token_ids;
+    const float *embed_f32;
+    const int8_t *embed_codes;
+    const uint16_t *embed_scales;
+    /* the hidden state: fc(aux) with aux [T][aux_width] (the target's tap states, a catch-up), or
+     * (aux null) hidden_in [T][H] (the previous draft step's output) */
+    const float *aux, *hidden_in;
     const int64_t *positions;        /* [T] */
     const float *cos, *sin;          /* [max_pos][D] */
     const int64_t *seg_kv;           /* [S] addresses of the segments' K/V buffers */
     const int64_t *seg_cap, *seg_at, *seg_rows; /* [S] */
+    const int64_t *d2t;              /* [V_draft]: target id = draft id + d2t[draft id] */
     float *h_out, *logits;           /* [S][H], [S][V_draft] */
+    int64_t *greedy;                 /* [S]: the target id of each segment's first largest logit */
 } TbEagle3;
+
+/* Row r's embedding into out [H]. */
+static void embed_row(const TbEagle3 *a, int64_t r, float *out) {
+    const int64_t h = a->hidden, id = a->token_ids[r];
+    if (a->embed_f32) {
+        memcpy(out, a->embed_f32 + id * h, h * sizeof(float));
+        return;
+    }
+    const int8_t *c = a->embed_codes + id * h;
+    const uint16_t *sc = a->embed_scales + id * (h / GROUP);
+    for (int64_t g = 0; g < h / GROUP; g++) {
+        const float d = half_to_float(sc[g]);
+        for (int64_t i = g * GROUP; i < (g + 1) * GROUP; i++) out[i] = (float)c[i] * d;
+    }
+}
 
 /* 0, or -1 when out of memory. */
 int tb_eagle3(const TbEagle3 *a) {
@@ -44,21 +76,27 @@ int tb_eagle3(const TbEagle3 *a) {
     const int all_threads = tb_team(t, (int)a->num_threads), out_threads = tb_team(ns, (int)a->num_threads);
     const Dims base = {h, a->num_heads, a->num_kv_heads, d, inter, 0, 1, a->eps, a->scale};
     float *x = malloc(t * h2 * sizeof(float)), *kb = malloc(t * kvsz * sizeof(float));
+    float *emb = malloc(t * h * sizeof(float)), *fused = a->aux ? malloc(t * h * sizeof(float)) : NULL;
     float *vb = malloc(t * kvsz * sizeof(float)), *xo = malloc(ns * h2 * sizeof(float));
     float *q = malloc(ns * qsz * sizeof(float)), *att = malloc(ns * qsz * sizeof(float));
     float *hs = malloc(ns * h * sizeof(float)), *g = malloc(ns * inter * sizeof(float));
     float *u = malloc(ns * inter * sizeof(float)), *act = malloc(ns * inter * sizeof(float));
     int64_t *last = malloc(ns * sizeof(int64_t));
     XRows rows = {0};
-    const int64_t kmax = h2 > qsz ? (h2 > inter ? h2 : inter) : (qsz > inter ? qsz : inter);
-    int rc = x && kb && vb && xo && q && att && hs && g && u && act && last &&
+    int64_t kmax = h2 > qsz ? (h2 > inter ? h2 : inter) : (qsz > inter ? qsz : inter);
+    kmax = a->aux && a->aux_width > kmax ? a->aux_width : kmax;
+    int rc = x && kb && vb && emb && (fused || !a->aux) && xo && q && att && hs && g && u && act && last &&
                      tb_rows_alloc(&rows, t > ns ? t : ns, kmax) ? 0 : -1;
     float *ho = a->h_out;
+    const float *hid = a->aux ? fused : a->hidden_in;
+    if (rc == 0 && a->aux)
+        rc |= tb_linear(&a->fc, a->aux, t, a->aux_width, h, fused, 0, all_threads, &rows);
     if (rc == 0) {
 #pragma omp parallel for num_threads(all_threads) schedule(static)
         for (int64_t r = 0; r < t; r++) {
-            rms_norm_row(a->embeds + r * h, a->input_norm, h, a->eps, x + r * h2);
-            rms_norm_row(a->hidden_in + r * h, a->hidden_norm, h, a->eps, x + r * h2 + h);
+            embed_row(a, r, emb + r * h);
+            rms_norm_row(emb + r * h, a->input_norm, h, a->eps, x + r * h2);
+            rms_norm_row(hid + r * h, a->hidden_norm, h, a->eps, x + r * h2 + h);
         }
         rc |= tb_linear(&a->k, x, t, h2, kvsz, kb, 0, all_threads, &rows);
         rc |= tb_linear(&a->v, x, t, h2, kvsz, vb, 0, all_threads, &rows);
@@ -75,7 +113,7 @@ int tb_eagle3(const TbEagle3 *a) {
         const int64_t lr = last[s] = r0 + n - 1;
         memcpy(xo + s * h2, x + lr * h2, h2 * sizeof(float));
         /* the residual: the hidden state, or its norm (norm_before_residual) */
-        memcpy(ho + s * h, a->norm_before_residual ? x + lr * h2 + h : a->hidden_in + lr * h, h * sizeof(float));
+        memcpy(ho + s * h, a->norm_before_residual ? x + lr * h2 + h : hid + lr * h, h * sizeof(float));
     }
     if (rc == 0)
         rc |= tb_linear(&a->q, xo, ns, h2, qsz, q, 0, out_threads, &rows);
@@ -113,8 +151,16 @@ int tb_eagle3(const TbEagle3 *a) {
         rc |= tb_linear(&a->down, act, ns, inter, h, ho, 1, out_threads, &rows);
         for (int64_t s = 0; s < ns; s++) rms_norm_row(ho + s * h, a->norm, h, a->eps, hs + s * h);
         rc |= tb_linear(&a->lm_head, hs, ns, h, a->draft_vocab, a->logits, 0, out_threads, &rows);
+        for (int64_t s = 0; s < ns; s++) {
+            const float *lg = a->logits + s * a->draft_vocab;
+            int64_t best = 0;
+            for (int64_t i = 1; i < a->draft_vocab; i++) best = lg[i] > lg[best] ? i : best;
+            a->greedy[s] = best + a->d2t[best];
+        }
     }
     free(x);
+    free(emb);
+    free(fused);
     free(kb);
     free(vb);
     free(xo);

@@ -38,20 +38,6 @@
 
 #include "quant_gemm.h"
 
-/* fp16 bits -> fp32, exactly (the scalar and NEON kernels' weight scales). */
-INLINE float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, mant = h & 0x3FF;
-    uint32_t bits;
-    if (e == 0) {
-        const float v = (float)mant * 5.9604644775390625e-8f; /* 2^-24: zero and subnormals */
-        return sign ? -v : v;
-    }
-    bits = sign | (e == 31 ? 0x7F800000u | (mant << 13) : ((e + 112) << 23) | (mant << 13));
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 #if defined(TB_AVX512_VNNI)
 #include "gemm_avx512_vnni.h"
 #elif defined(TB_AVX_VNNI)

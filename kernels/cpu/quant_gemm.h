@@ -3,6 +3,7 @@
  * through tb_gemm_q4 / tb_gemm_q8 and the forward through tb_forward. */
 #pragma once
 #include <stdint.h>
+#include <string.h>
 
 #define GROUP 32  /* input columns per quantization group (weights and activations) */
 #define NB 16     /* output columns per weight block */
@@ -10,6 +11,20 @@
 #define Q8_REC 512
 
 #define INLINE static inline __attribute__((always_inline))
+
+/* fp16 bits -> fp32, exactly (the scalar and NEON kernels' weight scales, Q8_0 embedding rows). */
+INLINE float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, mant = h & 0x3FF;
+    uint32_t bits;
+    if (e == 0) {
+        const float v = (float)mant * 5.9604644775390625e-8f; /* 2^-24: zero and subnormals */
+        return sign ? -v : v;
+    }
+    bits = sign | (e == 31 ? 0x7F800000u | (mant << 13) : ((e + 112) << 23) | (mant << 13));
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 /* One linear's weights (formats: quant_gemm.c's header). int64_t fmt: the same 8-byte slots as
  * the ctypes mirror (kernels/cpu/decoder_forward.py, TbLinear). */
