@@ -10,7 +10,9 @@ prompts of the chosen categories (chat-templated, cut to ``--max-prompt-tokens``
 caching. Per configuration: decode tokens/s (after the first token, as ``spec_cpu``) and its
 ratio to plain over the whole run, τ (tokens per verify of a drafted request), and the drafter's
 time per ``propose`` call (the head's catch-up and draft steps, sampling included) and per
-drafted token. Every output must equal plain decoding.
+drafted token. Every output must equal plain decoding. First, one draft step alone: the torch
+forward against the C call, warm (a loop) and cold (after streaming 64 MB, as the target's
+forward does between two draft steps).
 """
 
 from __future__ import annotations
@@ -24,6 +26,49 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benches.common import engine_generate, machine_info, print_table, write_json  # noqa: E402
 from benches.workloads import chat_token_ids, spec_bench  # noqa: E402
+
+
+def one_step_micro(proposer, context: int = 300, rounds: int = 300) -> list[dict]:
+    """One draft step of one row (after ``context`` cached rows), the torch forward (embedding
+    lookup, head, argmax) against the C call: warm (a loop) and cold (after streaming 64 MB, as a
+    target forward does between two draft steps); median microseconds."""
+    import statistics
+
+    import torch
+
+    from tokenbudget.engine.worker.eagle3_kv import HeadState, segment_attend
+
+    head, embed, c_forward = proposer.head, proposer.embed, proposer.cpu_forward
+    c = head.config
+    kv = torch.zeros(2, context + 8, c.num_key_value_heads, c.head_dim)
+    hidden = torch.randn(1, c.hidden_size)
+    state = HeadState(kv.clone(), n=context)
+
+    def torch_step():
+        with torch.inference_mode():
+            h, logits = head(embed[torch.tensor([5])], hidden, torch.tensor([context]),
+                             segment_attend([(state, context, 1)]))
+            return head.to_target_ids(logits.argmax(-1)).tolist()
+
+    ways = {"torch forward": torch_step, "C call": lambda: c_forward([5], hidden, [context], [(kv, context, 1)], False)}
+    flush = torch.zeros(16 << 20)
+    out = []
+    for name, step in ways.items():
+        for _ in range(20):
+            step()
+        warm = []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            step()
+            warm.append(time.perf_counter() - t)
+        cold = []
+        for _ in range(max(20, rounds // 10)):
+            flush.add_(1.0)
+            t = time.perf_counter()
+            step()
+            cold.append(time.perf_counter() - t)
+        out.append({"way": name, "warm_us": statistics.median(warm) * 1e6, "cold_us": statistics.median(cold) * 1e6})
+    return out
 
 
 def main(argv=None) -> dict:
@@ -56,6 +101,10 @@ def main(argv=None) -> dict:
             raise SystemExit("the head's C forward is not built here (no C kernels?): nothing to compare")
         engines[k] = (llm, proposer, proposer.cpu_forward)
 
+    micro = one_step_micro(engines[args.k[0]][1])
+    print_table(["one draft step", "warm µs", "cold µs"],
+                [[m["way"], f"{m['warm_us']:.0f}", f"{m['cold_us']:.0f}"] for m in micro])
+    print()
     configs = ["plain"] + [f"k={k} {way}" for k in args.k for way in ("torch head", "C head")]
     totals = {c: {"seconds": 0.0, "tokens": 0, "propose_s": 0.0, "steps": 0} for c in configs}
     spec_before = {}
@@ -124,7 +173,8 @@ def main(argv=None) -> dict:
                       "propose_us_per_step": per_step, "propose_us_per_draft_token": per_draft, **cell})
         rows.append([config, f"{tps:.1f}", f"{tps / base:.3f}x", f"{tau:.2f}", f"{per_step:.0f}", f"{per_draft:.0f}"])
     print_table(["config", "tok/s", "÷ plain", "τ", "propose µs/step", "propose µs/draft token"], rows)
-    out = {"machine": machine_info(args.threads), "args": vars(args), "prompts": len(prompts), "cells": cells}
+    out = {"machine": machine_info(args.threads), "args": vars(args), "prompts": len(prompts), "one_step": micro,
+           "cells": cells}
     write_json(args.json, out)
     return out
 

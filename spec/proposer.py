@@ -23,6 +23,12 @@ draft-length controller learns acceptance per label (``spec.adaptive``), because
 after a 4-token match is accepted far more often than one after a 2-token match (figures:
 benches/RESULTS.md, "Acceptance by draft kind").
 
+What drafting costs: a drafter that runs a model (EAGLE-3's head) says so at start-up through
+``probe_cost(k)``, the seconds one request's draft of k tokens takes, measured on throw-away
+state; the draft-length controller's cost model starts from it (``engine.worker.step_cost``)
+instead of learning the drafter's cost from scratch while it over-drafts. Free drafters (n-gram,
+suffix) return None.
+
 Drafters that read the target's hidden states (EAGLE-3) get them in ``observe_target_states``,
 called in the commit with the committed step, its plan and the runner's ``aux_hidden_states``
 (the tap states of every row of the step, in the step's flat row order, or None); it must not
@@ -66,6 +72,11 @@ class Proposer(Protocol):
     def rollback(self) -> None:
         ...
 
+    def probe_cost(self, num_tokens: int) -> float | None:
+        """Seconds one request's draft of ``num_tokens`` tokens costs, measured now on throw-away
+        state, or None for a drafter whose drafts cost nothing (see the module doc)."""
+        ...
+
 
 class BaseProposer:
     """Defaults for proposers without probabilities, per-request state or undoable effects."""
@@ -89,4 +100,7 @@ class BaseProposer:
         return None
 
     def rollback(self) -> None:
+        return None
+
+    def probe_cost(self, num_tokens: int) -> float | None:
         return None

@@ -317,7 +317,9 @@ def test_suffix_decoding_where_text_repeats(dirs, k) -> None:
     assert llm.engine.speculator.max_k == (24 if k == "auto" else k)  # auto: the suffix tree depth
     assert token_ids(llm, prompts, greedy(32)) == want
     proposer = llm.engine.speculator.proposer
-    assert proposer.num_suffix_drafts > 0 and proposer.num_draft_forward_tokens > 0
+    assert proposer.num_suffix_drafts > 0 and proposer.num_catchup_tokens > 0
+    if k != "auto":  # "auto" prices the head's draft steps (about the tiny target's step) and may skip them
+        assert proposer.num_draft_forward_tokens > 0
     assert proposer.num_tracked_requests == 0 and not proposer.suffix._local
 
 
@@ -338,6 +340,21 @@ def test_controller_learns_each_source_apart(dirs) -> None:
     assert any(isinstance(kd, tuple) and kd[0] == "suffix" for kd in kinds)
     assert HEAD_KIND in ctrl.kinds
     assert not ctrl.tracked_requests()  # every kind's row forgotten
+
+
+def test_the_heads_cost_is_in_the_start_up_prior(dirs) -> None:
+    """The controller's cost model starts with a price for the head's drafts, timed at start-up
+    (``Eagle3Proposer.probe_cost`` beside the verify probes), not at zero: a prior without it had
+    the controller draft 3 tokens a step at 20-30 % acceptance until the online fit caught up.
+    A free drafter (n-gram) has no such probe and its prior prices nothing."""
+    llm = engine(dirs["target"], eagle(dirs["head"], k="auto"))
+    per_request, per_row = llm.engine.speculator.controller.cost_model.drafter_weights
+    assert per_request + per_row > 0
+    proposer = llm.engine.speculator.proposer
+    assert proposer.num_tracked_requests == 0 and proposer.num_catchup_tokens == 0  # the probe left nothing
+    ngram = engine(dirs["target"], {"method": "ngram", "num_speculative_tokens": "auto"})
+    assert ngram.engine.speculator.controller.cost_model.drafter_weights == (0.0, 0.0)
+    assert ngram.engine.speculator.proposer.probe_cost(3) is None
 
 
 def test_controller_learns_the_heads_own_cost(dirs) -> None:

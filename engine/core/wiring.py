@@ -144,5 +144,5 @@ def _build_speculator(spec_config: SpeculativeConfig, target: TargetModel, sched
     cost_model = None
     if spec_config.is_adaptive:
         from tokenbudget.engine.worker.step_cost import measure_runner_costs
-        cost_model = measure_runner_costs(runner, scheduler.config)
+        cost_model = measure_runner_costs(runner, scheduler.config, drafter=proposer)
     return Speculator(spec_config, proposer, build_controller(spec_config, cost_model))

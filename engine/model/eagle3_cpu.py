@@ -5,11 +5,13 @@ of ``engine.model.eagle3``, which keeps its published layout and its torch forwa
 float target, torch's kernels).
 
 Why a C forward: at batch 1 a draft step is one row through ~40 torch ops of a few microseconds
-each, run right after the target's forward evicted the head from the caches (~450 us a step in
-the engine, against ~220 us in a warm loop: benches/RESULTS.md); the C call leaves the weight
-reads. It computes what ``Eagle3Head.forward`` computes, up to float rounding (its norms, SiLU and
-attention sum in the C kernels' fixed order), and, like ``forward(out_rows=...)``, only each
-segment's last row queries: every row's K/V is written, one output per segment.
+each (embedding lookup, norms, GEMMs, RoPE, attention, SiLU, lm head, argmax), run right after the
+target's forward evicted the head from the caches: ~820 us a step cold against ~240 us warm, where
+the call takes ~380 and ~95 (``benches/RESULTS.md``); what is left is reading the weights. The
+call computes what ``Eagle3Head.forward`` computes (with the embedding lookup before it, ``fuse``
+for a catch-up, and the greedy draft after it), up to float rounding: its norms, SiLU and
+attention sum in the C kernels' fixed order. Like ``forward(out_rows=...)``, only each segment's
+last row queries: every row's K/V is written, one output per segment.
 """
 
 from __future__ import annotations

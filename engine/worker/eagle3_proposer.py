@@ -49,6 +49,7 @@ head's own distribution.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -185,6 +186,21 @@ class Eagle3Proposer(BaseProposer):
                 out[i] = (d, ("suffix", kinds[i]))
                 self.num_suffix_drafts += 1
         return out
+
+    def probe_cost(self, num_tokens: int) -> float:
+        """Seconds a draft of ``num_tokens`` tokens costs the head for one request: a one-row
+        catch-up, then ``num_tokens - 1`` draft steps, through the forward ``propose`` runs (the C
+        call or the torch head), on a throw-away state (``spec.proposer``)."""
+        c = self.head.config
+        st = self._new_state()
+        st.reserve(num_tokens)
+        aux = torch.zeros(1, 3 * c.target_hidden_size, dtype=self.dtype, device=self.device)
+        start = time.perf_counter()
+        with torch.inference_mode(), _threads(1):
+            h, _, _ = self._forward([0], aux, [0], [(st, 0, 1)], fuse=True)
+            for j in range(1, num_tokens):
+                h, _, _ = self._forward([0], h, [j], [(st, j, 1)], fuse=False)
+        return time.perf_counter() - start
 
     def take_draft_probs(self) -> list[torch.Tensor | None] | None:
         """Per request of the last ``propose``: q ``[len(drafts), V]`` float32, or None. Handed over once."""

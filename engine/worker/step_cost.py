@@ -15,13 +15,17 @@ Each step runs twice and the faster run counts: the first run of a new shape pay
 (buffers of that row count), and the minimum of two also drops a neighbour's burst. The prior is
 a start only (``prior_weight`` steps' worth in each direction), so two runs are enough.
 
-The prior measures the runner only; the engine's online updates time the whole step (proposer,
-scheduler, sampler, outputs), so the model's level moves within a few dozen steps.
+The prior measures the runner, and a model drafter's drafts (``Proposer.probe_cost``: EAGLE-3's
+head) beside the verifies they feed; the engine's online updates time the whole step (proposer,
+scheduler, sampler, outputs), so the model's level moves within a few dozen steps. Without the
+drafter's probe the controller started out pricing the head's drafts at nothing and drafted 3
+tokens a step at 20-30 % acceptance until the online fit caught up (benches/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
@@ -69,17 +73,34 @@ def _min_time(fn, repeats: int) -> float:
     return min(times)
 
 
-def measure_runner_costs(runner, sched_config: SchedulerConfig, max_tokens: int = 128,
+MAX_PROBE_DRAFTS = 8  # verify shapes up to this many drafts also get a drafted twin (drafter probes)
+
+
+def measure_runner_costs(runner, sched_config: SchedulerConfig, max_tokens: int = 128, drafter=None,
                          **kwargs) -> StepCostModel:
-    """A ``StepCostModel`` whose prior is this runner's time on ``probe_steps``."""
+    """A ``StepCostModel`` whose prior is this runner's time on ``probe_steps``. With a model
+    ``drafter`` (``probe_cost`` not None, ``spec.proposer``), every one-request verify of k <=
+    ``MAX_PROBE_DRAFTS`` drafts also counts as the step that drafted them: its time plus the
+    drafter's for k tokens, timed right after the runner's step (so, as in the engine, after the
+    target's forward has evicted the drafter from the caches)."""
     def run_step(step: SchedulerOutput) -> None:
         with torch.inference_mode():
             runner.compute_logits(step)
         if runner.device.type == "cuda":
             torch.cuda.synchronize()
 
+    def draft_after(step: SchedulerOutput, k: int) -> float | None:
+        run_step(step)
+        return drafter.probe_cost(k)
+
     prior: list[tuple[StepShape, float]] = []
     for step in probe_steps(sched_config, max_tokens):
         seconds = _min_time(lambda: run_step(step), repeats=2)
-        prior.append((step_shape(step), max(seconds, 1e-9)))
+        shape = step_shape(step)
+        prior.append((shape, max(seconds, 1e-9)))
+        k = len(step.scheduled[0].spec_token_ids) if len(step.scheduled) == 1 else 0
+        if drafter is not None and 1 <= k <= MAX_PROBE_DRAFTS:
+            costs = [draft_after(step, k) for _ in range(2)]
+            if None not in costs:
+                prior.append((replace(shape, draft_requests=1, draft_rows=k), seconds + min(costs)))
     return StepCostModel(prior, **kwargs)
