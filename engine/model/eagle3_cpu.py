@@ -6,8 +6,8 @@ float target, torch's kernels).
 
 Why a C forward: at batch 1 a draft step is one row through ~40 torch ops of a few microseconds
 each (embedding lookup, norms, GEMMs, RoPE, attention, SiLU, lm head, argmax), run right after the
-target's forward evicted the head from the caches: ~820 us a step cold against ~240 us warm, where
-the call takes ~380 and ~95 (``benches/RESULTS.md``); what is left is reading the weights. The
+target's forward evicted the head from the caches: ~500 us a step cold against ~234 us warm, where
+the call takes ~220 and ~68 (``benches/eagle3_head_step.py``); what is left is reading the weights. The
 call computes what ``Eagle3Head.forward`` computes (with the embedding lookup before it, ``fuse``
 for a catch-up, and the greedy draft after it), up to float rounding: its norms, SiLU and
 attention sum in the C kernels' fixed order. Like ``forward(out_rows=...)``, only each segment's
