@@ -30,6 +30,12 @@ target did not compute have no tap states, and the head's attention simply skips
 * preemption (recompute): rows for positions already queued or run are dropped (same committed
   tokens, same states), so the head's KV survives a preemption unchanged.
 
+The forward: on a quantized CPU target where the C kernels run, one C call per head forward
+(``cpu_forward``, ``engine.model.eagle3_cpu``: the embedding lookup, ``fc`` for a catch-up, the
+layer, the lm head and the greedy draft); otherwise the head's torch forward. Both write the same
+K/V rows and give the same outputs up to float rounding; ``probe_cost`` times them for the
+controller's start-up prior.
+
 Transactions: ``propose`` records the state of every request it touches; ``rollback`` puts those
 records back, ``commit`` drops them. ``observe_target_states`` runs in the commit (slicing only,
 no model code). ``on_finished`` (the engine's one release path) drops the request's state.
