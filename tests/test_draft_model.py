@@ -187,3 +187,17 @@ def test_identical_drafter_kv_stays_exact_under_stress(tiny_dirs, method) -> Non
     assert llm.engine.scheduler.kv.prefix_hits > 0
     stats = llm.get_spec_stats()
     assert stats.num_draft_tokens > 0 and stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("method", ["draft_model", "self_draft"])
+def test_the_drafters_cost_is_in_the_start_up_prior(tiny_dirs, baseline, method) -> None:
+    """Under "auto" the controller's cost model starts with the drafter's cost timed at start-up
+    (``probe_cost``, on throw-away KV blocks that no request holds yet), and greedy output still
+    equals plain decoding after it."""
+    spec = {"method": method, "num_speculative_tokens": "auto"}
+    spec.update({"model": tiny_dirs["draft"]} if method == "draft_model" else {"draft_num_layers": 3})
+    llm = make_engine(tiny_dirs["target"], spec)
+    per_request, per_row = llm.engine.speculator.controller.cost_model.drafter_weights
+    assert per_request + per_row > 0
+    assert token_ids(llm, PROMPTS, greedy()) == baseline
+    llm.engine.core.scheduler.check_integrity()

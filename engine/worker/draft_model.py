@@ -48,8 +48,10 @@ drafter's KV bookkeeping is exact.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -129,6 +131,20 @@ class DraftModelProposer(BaseProposer):
                 self._state[requests[i].request_id].num_computed = requests[i].num_tokens + ks[i] - 1
         self._probs = [torch.stack(p) if p else None for p in probs]
         return drafts
+
+    def probe_cost(self, num_tokens: int) -> float:
+        """Seconds a draft of ``num_tokens`` tokens costs the drafter for one request: a one-row
+        catch-up and ``num_tokens - 1`` one-row forwards, each with its argmax, on throw-away KV
+        in blocks 0.. (at start-up, where the controller's prior is timed, no request holds them;
+        ``engine.worker.step_cost`` writes the target's the same way)."""
+        runner = self.runner
+        probe = SimpleNamespace(request_id="__draft_cost_probe__")
+        blocks = list(range(-(-num_tokens // runner.block_size)))
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for pos in range(num_tokens):
+                runner.forward([runner.chunk(probe, pos, [0], blocks, True)]).argmax(dim=-1).tolist()
+        return time.perf_counter() - start
 
     def take_draft_probs(self) -> list[torch.Tensor | None] | None:
         """Per request of the last ``propose``: q ``[len(drafts), V]`` float32, or None (greedy
