@@ -60,7 +60,7 @@ class HeadState:
 
     def copy_prefix(self, other: HeadState, rows: int) -> None:
         """``other``'s first ``rows`` rows as this state's run rows (a new buffer)."""
-        self.kv = other.kv[:, :rows].clone()
+        self.kv = other.kv[:, :rows].clone(memory_format=torch.contiguous_format)
         self.n = self.next_pos = rows
 
     @property
