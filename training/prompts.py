@@ -5,10 +5,8 @@ workloads). Three sources, each tagged with its task kind so acceptance can be r
 
 - *self-written*: the target is asked, at temperature, for a question or instruction of a task
   kind about a topic (``meta_prompts`` -> ``LLM.generate`` -> ``clean_written``);
-- *templates*: task kinds x topics (chat, explanation, writing, role play, code, math with
-  random numbers); writing and role play also composed, the multi-part requests people send
-  assistants (a form, an audience or a tone, points to cover, constraints on the answer; a
-  persona and a question to answer in it);
+- *templates*: task kinds x topics (chat, explanation, writing and role play, code, math with
+  random numbers);
 - *package text*: docstrings and small function sources of the Python standard library on this
   machine, as material to summarize, rewrite, translate or explain.
 
@@ -51,7 +49,7 @@ TOPICS = (
     "medieval castles", "pirates", "the Silk Road", "the Renaissance", "the Industrial Revolution",
 )
 
-KINDS = ("chat", "explanation", "writing", "roleplay", "code", "summary", "math", "rewrite", "translation")
+KINDS = ("chat", "explanation", "writing", "code", "summary", "math", "rewrite", "translation")
 
 _CHAT = ("What is {t}?", "Can you tell me about {t}?", "Give me three tips about {t}.",
          "What are the most interesting facts about {t}?", "I want to learn about {t}. Where should I start?",
@@ -65,66 +63,6 @@ _WRITING = ("Write a blog post about {t}.", "Write an email to a friend about {t
             "Imagine you are a tour guide. Describe {t} to your group.",
             "Act as a teacher and give a short lesson on {t}.",
             "You are a character in a novel who loves {t}. Introduce yourself.")
-# Composed writing tasks: a form, a topic (or two), and what the request adds (an audience, a tone,
-# points to cover, constraints on the answer): the multi-part requests people send assistants.
-_FORMS = ("blog post", "travel blog post", "short story", "poem", "product description", "cover letter",
-          "speech", "email", "social media post", "advertisement", "movie review", "restaurant review",
-          "opinion piece", "newsletter", "lesson plan", "podcast script", "thank-you note", "short essay",
-          "press release", "letter of recommendation", "fairy tale", "motivational message", "FAQ page")
-_AUDIENCES = ("teenagers", "busy parents", "retired teachers", "first-year university students", "tourists",
-              "small business owners", "young children", "software engineers", "a local community group",
-              "new employees", "people who have never heard of it", "a skeptical friend")
-_TONES = ("friendly", "humorous", "formal", "inspiring", "persuasive", "calm", "enthusiastic", "nostalgic",
-          "playful", "serious")
-_ASPECTS = ("its history", "practical tips", "common myths", "personal experiences", "the main challenges",
-            "future trends", "the costs involved", "its benefits", "what surprised you", "the people involved",
-            "what to avoid", "the best time to start")
-_CONSTRAINTS = ("Keep it under {n} words.", "Use exactly {k} paragraphs.", "Include a catchy title.",
-                "End with a question for the reader.", "Mention at least two surprising facts.",
-                "Use a numbered list for the main points.", "Start with a short anecdote.",
-                "Avoid technical jargon.", "Include a call to action at the end.", "Make every sentence short.",
-                "Write it in the first person.", "Add a one-sentence summary at the end.")
-_PERSONAS = ("a pirate captain", "a famous chef", "a detective in a foggy old city", "a medieval knight",
-             "an astronaut on a space station", "a wise old wizard", "a football coach", "a family doctor",
-             "a time traveler from the far future", "a museum guide", "a grumpy cat", "a cheerful robot",
-             "a mountain guide", "a newspaper editor", "a startup founder", "a kindergarten teacher", "a farmer",
-             "a librarian", "a jazz musician", "a lighthouse keeper", "a fitness trainer", "a ship's navigator",
-             "a village baker", "a marine biologist", "a retired spy", "a dragon who guards a library",
-             "a travel agent", "a park ranger", "a stand-up comedian", "a patient math tutor")
-_ROLE_ASKS = ("What do you think about {t}?", "How would you explain {t} to me?",
-              "Tell me about your day and how {t} fits into it.", "Give me your best advice on {t}.",
-              "What is the hardest part of your work, and what does {t} have to do with it?",
-              "Describe a memory of yours that involves {t}.", "Convince me that {t} matters.",
-              "What would you change about {t} if you could?")
-_ROLE = ("Pretend you are {p}. {a}", "Imagine you are {p}. Stay in character and answer: {a}",
-         "You are {p}. A visitor asks you: \"{a}\" Reply in character.",
-         "Act as {p} and speak in the first person. {a}", "Role-play as {p} talking to {aud}. {a}",
-         "From now on, answer as {p} would. {a}")
-
-
-def _article(word: str) -> str:
-    return "an" if word[0].lower() in "aeiou" else "a"
-
-
-def _composed_writing(rng: random.Random, t: str) -> str:
-    form, tone, aud = rng.choice(_FORMS), rng.choice(_TONES), rng.choice(_AUDIENCES)
-    head = rng.choice((f"Write {_article(form)} {form} about {t}",
-                       f"Compose {_article(tone)} {tone} {form} about {t}",
-                       f"Draft {_article(form)} {form} for {aud} about {t}",
-                       f"Create {_article(form)} {form} that connects {t} and {rng.choice(TOPICS)}"))
-    if rng.random() < 0.6:
-        a, b = rng.sample(_ASPECTS, 2)
-        head += f", highlighting {a} and {b}"
-    rules = [c.format(n=rng.choice((80, 100, 150, 200)), k=rng.choice((2, 3, 4)))
-             for c in rng.sample(_CONSTRAINTS, rng.choice((0, 1, 1, 2)))]
-    return " ".join([head + ".", *rules])
-
-
-def _roleplay(rng: random.Random, t: str) -> str:
-    return rng.choice(_ROLE).format(p=rng.choice(_PERSONAS), a=rng.choice(_ROLE_ASKS).format(t=t),
-                                    aud=rng.choice(_AUDIENCES))
-
-
 _EXPLAIN = ("Explain {t} to a beginner.", "Explain {t} in simple terms.", "Why is {t} important?",
             "How does {t} work?", "Describe the history of {t} briefly.", "Explain {t} to a ten-year-old.")
 _CODE_TASKS = ("reverse a string", "check whether a number is prime", "count the vowels in a string",
@@ -144,9 +82,6 @@ _WRITE_META = {
     "explanation": "Write one request asking an assistant to explain something about {t}. Reply with the request only.",
     "writing": "Write one request asking an assistant to write a story, letter, blog post or speech, or to play a "
                "character, connected with {t}. Reply with the request only.",
-    "roleplay": "Write one instruction asking an assistant to pretend to be a character (someone with a job, a "
-                "hero of a story, an animal) and to answer a question about {t} in that role. "
-                "Reply with the instruction only.",
     "code": "Write one programming task related to {t} that a student could solve in Python. "
             "Reply with the task only.",
     "math": "Write one short math word problem about {t}. Reply with the problem only.",
@@ -223,9 +158,7 @@ def template_prompts(n: int, rng: random.Random) -> list[tuple[str, str]]:
         elif kind == "explanation":
             p = rng.choice(_EXPLAIN).format(t=t)
         elif kind == "writing":
-            p = rng.choice(_WRITING).format(t=t) if rng.random() < 0.4 else _composed_writing(rng, t)
-        elif kind == "roleplay":
-            p = _roleplay(rng, t)
+            p = rng.choice(_WRITING).format(t=t)
         elif kind == "code":
             p = (rng.choice(_CODE).format(c=rng.choice(_CODE_TASKS)) if not code or rng.random() < 0.6 else
                  rng.choice(("Explain what this code does:\n```python\n{s}\n```",
@@ -258,7 +191,7 @@ def meta_prompts(n: int, rng: random.Random) -> list[tuple[str, str]]:
 def clean_written(kind: str, text: str, rng: random.Random) -> str | None:
     """The target's written text -> a prompt of ``kind`` (None when it is unusable)."""
     text = text.strip().strip('"').strip()
-    if kind in ("chat", "explanation", "writing", "roleplay", "code", "math"):
+    if kind in ("chat", "explanation", "writing", "code", "math"):
         text = text.split("\n")[0].strip().strip('"')
         return text if 15 <= len(text) <= 300 else None
     if not 20 <= len(text) <= 1200:
