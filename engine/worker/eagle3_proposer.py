@@ -206,6 +206,8 @@ class Eagle3Proposer(BaseProposer):
             h, _, _ = self._forward([0], aux, [0], [(st, 0, 1)], fuse=True)
             for j in range(1, num_tokens):
                 h, _, _ = self._forward([0], h, [j], [(st, j, 1)], fuse=False)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
     def take_draft_probs(self) -> list[torch.Tensor | None] | None:

@@ -89,10 +89,12 @@ def measure_runner_costs(runner, sched_config: SchedulerConfig, max_tokens: int 
         if runner.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def draft_after(step: SchedulerOutput, k: int) -> float | None:
+    def draft_after(step: SchedulerOutput, k: int) -> float:
         run_step(step)
         return drafter.probe_cost(k)
 
+    if drafter is not None and drafter.probe_cost(1) is None:
+        drafter = None  # drafts that cost nothing (n-gram, suffix): no drafted twins
     prior: list[tuple[StepShape, float]] = []
     for step in probe_steps(sched_config, max_tokens):
         seconds = _min_time(lambda: run_step(step), repeats=2)
@@ -100,7 +102,6 @@ def measure_runner_costs(runner, sched_config: SchedulerConfig, max_tokens: int 
         prior.append((shape, max(seconds, 1e-9)))
         k = len(step.scheduled[0].spec_token_ids) if len(step.scheduled) == 1 else 0
         if drafter is not None and 1 <= k <= MAX_PROBE_DRAFTS:
-            costs = [draft_after(step, k) for _ in range(2)]
-            if None not in costs:
-                prior.append((replace(shape, draft_requests=1, draft_rows=k), seconds + min(costs)))
+            cost = min(draft_after(step, k) for _ in range(2))
+            prior.append((replace(shape, draft_requests=1, draft_rows=k), seconds + cost))
     return StepCostModel(prior, **kwargs)
