@@ -56,14 +56,14 @@ head's own distribution.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Hashable, Sequence
 
 import torch
 
 from tokenbudget.engine.model.eagle3 import Eagle3Head
 from tokenbudget.engine.worker.draft_sampling import sample_drafts, wants_probs
 from tokenbudget.engine.worker.eagle3_kv import HeadState, segment_attend
+from tokenbudget.engine.worker.threads import intra_op_threads
 from tokenbudget.scheduler.drafts import draft_limit
 from tokenbudget.scheduler.request import Request
 from tokenbudget.spec.proposer import BaseProposer
@@ -138,7 +138,7 @@ class Eagle3Proposer(BaseProposer):
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
         self._threads = torch.get_num_threads()
-        with _threads(1 if len(requests) <= SMALL_WORK else self._threads):
+        with intra_op_threads(1 if len(requests) <= SMALL_WORK else self._threads):
             return self._propose(requests, num_tokens)
 
     def _propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
@@ -202,7 +202,7 @@ class Eagle3Proposer(BaseProposer):
         st.reserve(num_tokens)
         aux = torch.zeros(1, 3 * c.target_hidden_size, dtype=self.dtype, device=self.device)
         start = time.perf_counter()
-        with torch.inference_mode(), _threads(1):
+        with torch.inference_mode(), intra_op_threads(1):
             h, _, _ = self._forward([0], aux, [0], [(st, 0, 1)], fuse=True)
             for j in range(1, num_tokens):
                 h, _, _ = self._forward([0], h, [j], [(st, j, 1)], fuse=False)
@@ -308,7 +308,7 @@ class Eagle3Proposer(BaseProposer):
             segments.append((st, st.n, n))
             lengths.append(n)
         aux = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
-        with _threads(self._threads if sum(lengths) > SMALL_WORK else 1):
+        with intra_op_threads(self._threads if sum(lengths) > SMALL_WORK else 1):
             h, logits, greedy = self._forward(ids, aux.to(device=self.device, dtype=self.dtype).contiguous(),
                                               positions, segments, fuse=True)
         self.num_catchup_tokens += sum(lengths)
@@ -377,23 +377,6 @@ class Eagle3Proposer(BaseProposer):
 
 
 SMALL_WORK = 16  # requests (draft steps) or catch-up rows up to which the head runs on one CPU thread
-
-
-@contextmanager
-def _threads(n: int) -> Iterator[None]:
-    """``n`` intra-op threads inside. Drafting at small batch is many tiny ops (a draft step at
-    batch 1: a few hundred microseconds), and every parallel op waits for all its threads: on a
-    busy 2-core machine a second thread made a draft step 10-40x slower (measured), so small
-    work runs on one thread and large catch-ups (a prompt) on the engine's count."""
-    before = torch.get_num_threads()
-    if n == before:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _plain_greedy(request: Request) -> bool:
