@@ -30,7 +30,8 @@ from tokenbudget.kernels.cpu.native import library
 _FMT = {"int4": 4, "int8": 8}
 
 
-def _linear(lin) -> TbLinear:
+def tb_linear(lin) -> TbLinear:
+    """The C kernels' view of a ``QuantLinear`` on them (``lin.native`` set): format, weights, scales, bias."""
     w = lin.native
     scales = getattr(w, "s", None)
     return TbLinear(_FMT[lin.mode], w.packed.data_ptr(), 0 if scales is None else scales.data_ptr(),
@@ -102,7 +103,7 @@ class CpuForward:
     def __init__(self, model):
         self.model = model
         self._norms = [(lw.input_norm.contiguous(), lw.post_norm.contiguous()) for lw in model.layers]
-        self._linears = [(_linear(lw.qkv), _linear(lw.o), _linear(lw.gate_up), _linear(lw.down)) for lw in model.layers]
+        self._linears = [tuple(tb_linear(lin) for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)) for lw in model.layers]
         self._table, self._table_key = None, None
         self._aux_tensor, self._aux_key = None, None
 

@@ -21,13 +21,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from tokenbudget.engine.model.cpu_forward import tb_linear
 from tokenbudget.engine.model.eagle3 import Eagle3Head
 from tokenbudget.engine.model.quant import Q8Embedding, QuantLinear
 from tokenbudget.kernels.cpu.decoder_forward import TbLinear
 from tokenbudget.kernels.cpu.eagle3_head import TbEagle3, tb_eagle3
 from tokenbudget.kernels.cpu.native import library
-
-_FMT = {"int4": 4, "int8": 8}
 
 
 class QuantLinearModule(nn.Module):
@@ -67,8 +66,7 @@ def _native(module) -> TbLinear | None:
     w = getattr(quant, "native", None)
     if w is None or quant.bias is not None:
         return None
-    scales = getattr(w, "s", None)
-    return TbLinear(_FMT[quant.mode], w.packed.data_ptr(), 0 if scales is None else scales.data_ptr(), 0)
+    return tb_linear(quant)
 
 
 class Eagle3CpuForward:
