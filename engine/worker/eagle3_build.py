@@ -12,8 +12,8 @@ layers against the target's depth.
 Weights: a head runs after every verify, k times in a row, so at batch 1 its cost is k times
 its weight bytes read from memory. On a quantized CPU target (``int8`` / ``int4``) its linears are
 quantized the same way, the draft lm head included (``engine.model.eagle3_cpu.quantize_head``: the
-C kernels where they run), and its forward is one C call where the C kernels run
-all of it (``Eagle3CpuForward``); fp32 and the torch forward otherwise.
+C kernels where they run), and its forward is one C call where the C kernels run all of it
+(``Eagle3CpuForward``); fp32 and the torch forward otherwise.
 
 The target's tap layers are switched on here, on the engine's runner (``ModelRunner.
 set_aux_layers``: its steps then return ``aux_hidden_states``; the CUDA graph wrapper refuses,

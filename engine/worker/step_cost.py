@@ -16,10 +16,11 @@ Each step runs twice and the faster run counts: the first run of a new shape pay
 a start only (``prior_weight`` steps' worth in each direction), so two runs are enough.
 
 The prior measures the runner, and a model drafter's drafts (``Proposer.probe_cost``: EAGLE-3's
-head, a draft model) beside the verifies they feed; the engine's online updates time the whole step (proposer,
-scheduler, sampler, outputs), so the model's level moves within a few dozen steps. Without the
-drafter's probe the controller started out pricing the head's drafts at nothing and drafted 3
-tokens a step at 20-30 % acceptance until the online fit caught up (benches/RESULTS.md).
+head, a draft model) beside the verifies they feed; the engine's online updates time the whole
+step (proposer, scheduler, sampler, outputs), so the model's level moves within a few dozen
+steps. Without the drafter's probe the controller started out pricing the head's drafts at
+nothing and drafted 3 tokens a step at 20-30 % acceptance until the online fit caught up
+(benches/RESULTS.md).
 """
 
 from __future__ import annotations
