@@ -85,9 +85,6 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         spec = self.spec_config  # every key checked by SpeculativeConfig, named in its message
         if spec is not None:
             _check_spec_fits(spec, self.max_num_batched_tokens)
-            if spec.method == "eagle3" and self.cuda_graphs:
-                raise ValueError("cuda_graphs: the CUDA graph runner does not keep the target's hidden states "
-                                 "that speculative_config['method'] 'eagle3' reads; turn one of them off")
 
     @property
     def admission_control(self) -> bool:

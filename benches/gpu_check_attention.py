@@ -76,8 +76,8 @@ def backend_vs_reference(spec: AttentionSpec, device, seed: int = 0) -> list[dic
 
 def row_invariance(spec: AttentionSpec, device, ks: list[int], contexts: list[int],
                    deterministic: bool, seed: int = 0, aligned: bool = False) -> list[dict]:
-    """For each (k, context): the last row of a 1-token decode at position ``context`` vs the
-    same row inside a (1 + k)-token verify ending there, and that verify alone vs inside a
+    """For each (k, context): every row of a (1 + k)-token verify ending at position ``context``
+    vs a 1-token decode of the same position, and that verify alone vs inside a
     mixed batch (a prefill chunk and two decodes next to it). Bitwise comparisons. ``aligned``:
     tiles aligned to the longest verify (``align_tiles(1 + max(ks))``, what the engine's wiring
     does when a speculator is configured)."""
@@ -94,7 +94,13 @@ def row_invariance(spec: AttentionSpec, device, ks: list[int], contexts: list[in
             q, kk, vv = pool.rand(1 + k, h, d), pool.rand(1 + k, hk, d), pool.rand(1 + k, hk, d)
             # the verify covers positions c-k .. c; its row 0 is the decode of position c-k
             verify = run_batch(backend, pool, [(1 + k, c + 1, table)], q, kk, vv)
-            decode = run_batch(backend, pool, [(1, c - k + 1, table)], q[:1], kk[:1], vv[:1])
+            # row j of the verify against a decode of its position c-k+j (an accepted draft's
+            # successor is sampled from a row j > 0), over the K/V rows the verify wrote
+            bs = spec.block_size
+            write_kv_reference(kk, vv, pool.cache, torch.tensor(
+                [table[p // bs] * bs + p % bs for p in range(c - k, c + 1)], device=pool.device))
+            decode = torch.cat([run_batch(backend, pool, [(1, c - k + j + 1, table)], q[j:j + 1], kk[j:j + 1],
+                                          vv[j:j + 1]) for j in range(1 + k)])
             others = [(64, 64, pool.request(64)), (1, 300, pool.request(300)), (1, 40, pool.request(40))]
             extra_q = pool.rand(66, h, d)
             extra_k, extra_v = pool.rand(66, hk, d), pool.rand(66, hk, d)
@@ -105,8 +111,9 @@ def row_invariance(spec: AttentionSpec, device, ks: list[int], contexts: list[in
             rows.append({"deterministic": deterministic, "aligned": aligned or deterministic, "k": k,
                          "context": c,
                          "decode_eq_verify_row0": bool(torch.equal(decode[0], verify[0])),
+                         "unequal_verify_rows": [j for j in range(1 + k) if not torch.equal(decode[j], verify[j])],
                          "verify_alone_eq_mixed": bool(torch.equal(verify, mixed)),
-                         "max_abs_diff": max((decode[0] - verify[0]).abs().max().item(),
+                         "max_abs_diff": max((decode - verify).abs().max().item(),
                                              (verify - mixed).abs().max().item())})
     return rows
 
