@@ -58,7 +58,7 @@ from tokenbudget.kernels.attention.base import AttentionSpec  # noqa: E402
 from tokenbudget.kernels.attention.flashinfer_backend import FlashInferBackend  # noqa: E402
 
 from benches.common import machine_info, markdown_table  # noqa: E402
-from benches.gpu_check_attention import backend_vs_reference, row_invariance  # noqa: E402
+from benches.gpu_check_attention import backend_vs_reference, batched_row_invariance, row_invariance  # noqa: E402
 from benches.gpu_check_engine import (  # noqa: E402
     section_graph_vs_eager,
     section_spec_equiv,
@@ -159,7 +159,11 @@ def section_row_invariance(args) -> dict:
                                aligned=aligned)
     # unaligned default mode may differ (that is why the wiring aligns); the rest must not
     ok = all(not r["unequal_verify_rows"] and r["verify_alone_eq_mixed"] for r in rows if r["aligned"])
-    return {"status": "ok" if ok else "failed", "rows": rows}
+    batched = []
+    for det in (False, True):
+        batched += batched_row_invariance(_spec(args), torch.device(args.device), args.ks, args.batch_contexts, det)
+    ok = ok and not any(r["unequal"] for r in batched)
+    return {"status": "ok" if ok else "failed", "rows": rows, "batched_rows": batched}
 
 
 class SectionTimeout(Exception):
@@ -238,6 +242,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", help="model dtype (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--ks", type=_ints, default=[1, 3, 4, 8])
     p.add_argument("--contexts", type=_ints, default=[100, 1000, 6000])
+    p.add_argument("--batch-contexts", type=_ints, default=[99, 127, 128, 129, 200, 254, 255, 256, 257, 258],
+                   help="row_invariance: one request per context, verifying / decoding together")
     p.add_argument("--verify-batches")
     p.add_argument("--max-k", type=int)
     p.add_argument("--context", type=int, help="verify_cost context")

@@ -118,4 +118,38 @@ def row_invariance(spec: AttentionSpec, device, ks: list[int], contexts: list[in
     return rows
 
 
-__all__ = ["Pool", "backend_vs_reference", "row_invariance", "run_batch"]
+def batched_row_invariance(spec: AttentionSpec, device, ks: list[int], contexts: list[int],
+                           deterministic: bool, seed: int = 0) -> list[dict]:
+    """The engine's shape of the same question: ``len(contexts)`` requests verifying together
+    (request i a (1 + k)-row verify ending at position ``contexts[i]``) against the same requests
+    decoding together, one row each, at every verify position. Page tables are scattered and
+    exactly as long as each request's K/V (the padded plan reaches pages a request does not own).
+    Tiles aligned as the wiring aligns them. One row per k: the (request, row) pairs that differ."""
+    backend = select_attention_backend(device, spec, deterministic=deterministic)
+    backend.align_tiles(1 + max(ks))
+    bs, h, hk, d = spec.block_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+    rows = []
+    for k in ks:
+        need = [-(-(c + 1) // bs) for c in contexts]
+        pool = Pool(spec, sum(need) + 1, device, seed + k)
+        order = torch.randperm(sum(need), generator=torch.Generator().manual_seed(seed + k)) + 1  # block 0 unowned
+        tables, at = [], 0
+        for n in need:
+            tables.append(order[at:at + n].tolist())
+            at += n
+        q, kk, vv = pool.rand(len(contexts), 1 + k, h, d), pool.rand(len(contexts), 1 + k, hk, d), \
+            pool.rand(len(contexts), 1 + k, hk, d)
+        verify = run_batch(backend, pool, [(1 + k, c + 1, t) for c, t in zip(contexts, tables)],
+                           q.flatten(0, 1), kk.flatten(0, 1), vv.flatten(0, 1)).view(len(contexts), 1 + k, h, d)
+        slots = [t[p // bs] * bs + p % bs for c, t in zip(contexts, tables) for p in range(c - k, c + 1)]
+        write_kv_reference(kk.flatten(0, 1), vv.flatten(0, 1), pool.cache, torch.tensor(slots, device=pool.device))
+        unequal = []
+        for j in range(1 + k):
+            decode = run_batch(backend, pool, [(1, c - k + j + 1, t) for c, t in zip(contexts, tables)],
+                               q[:, j], kk[:, j], vv[:, j])
+            unequal += [[i, j] for i in range(len(contexts)) if not torch.equal(decode[i], verify[i, j])]
+        rows.append({"deterministic": deterministic, "k": k, "contexts": list(contexts), "unequal": unequal})
+    return rows
+
+
+__all__ = ["Pool", "backend_vs_reference", "batched_row_invariance", "row_invariance", "run_batch"]
