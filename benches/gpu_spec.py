@@ -305,6 +305,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="replay captured CUDA graphs for decode/verify steps (EngineConfig(cuda_graphs=True)); "
                          "buckets k = 0 and max(--spec-ks)")
+    ap.add_argument("--check-rows", action="store_true",
+                    help="compare every verify row with a decode of its position, in the engine's own steps "
+                         "(benches/gpu_row_check.py; eager only)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
@@ -354,6 +357,12 @@ def main(argv: list[str] | None = None) -> dict:
                        max_spec_tokens=max(spec_ks + [0]))
     sync(device)
     build_s = time.perf_counter() - t0
+    row_check = None
+    if args.check_rows:
+        if args.cuda_graphs:
+            raise SystemExit("--check-rows: eager steps only (a hooked attend is not captured in a graph)")
+        from benches.gpu_row_check import RowCheck
+        row_check = RowCheck(eng.runner.attn_backend, cfg.num_hidden_layers)
     info = {"shape": args.shape, "params_b": param_count(cfg) / 1e9, "device": _device_name(device),
             "dtype": dtype, "attention_backend": eng.runner.attn_backend.name,
             "kv_blocks": eng.scheduler.config.num_blocks, "kv_gib": kv_bytes / (1 << 30),
@@ -378,6 +387,10 @@ def main(argv: list[str] | None = None) -> dict:
             eng, decode_batches, args.prompt_len, args.max_tokens, spec_ks, alphas, args.repeats,
             args.seed, not args.no_profile)
 
+    if row_check is not None:
+        result["row_check"] = row_check.summary()
+        print(f"row check: {row_check.rows_unequal} of {row_check.rows_checked} verify rows differ from a decode "
+              f"of their position; first: {row_check.records[:3]}", flush=True)
     info["command"] = "python benches/gpu_spec.py " + " ".join(argv if argv is not None else sys.argv[1:])
     info["torch"] = torch.__version__
     print_report(result)
