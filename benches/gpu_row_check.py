@@ -63,7 +63,10 @@ class RowCheck:
                                              "max_abs_diff": (row.float() - out[start + j].float()).abs().max().item()})
         return out
 
-    def summary(self) -> dict:
+    def report(self) -> dict:
+        """Prints one line and returns the counts and the first records (for the bench's JSON)."""
+        print(f"row check: {self.rows_unequal} of {self.rows_checked} verify rows differ from a decode of their "
+              f"position; first: {self.records[:3]}", flush=True)
         return {"rows_checked": self.rows_checked, "rows_unequal": self.rows_unequal, "records": self.records}
 
 

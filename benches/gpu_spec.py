@@ -51,6 +51,7 @@ from tokenbudget.api.sampling_params import SamplingParams  # noqa: E402
 from tokenbudget.scheduler.output import ScheduledRequest, SchedulerOutput  # noqa: E402
 
 from benches.common import machine_info, replace_section, write_json  # noqa: E402
+from benches.gpu_row_check import RowCheck  # noqa: E402
 from benches.gpu_spec_report import SPLIT_KEYS, markdown_body, print_report  # noqa: E402
 from benches.step_timer import StepTimer, sync  # noqa: E402
 from benches.synthetic_model import (  # noqa: E402
@@ -317,6 +318,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="run nothing: print the tables of saved --json files (and --markdown them, "
                          "one subsection each)")
     args = ap.parse_args(argv)
+    if args.check_rows and args.cuda_graphs:
+        ap.error("--check-rows: eager steps only (a hooked attend is not captured in a graph)")
     if args.from_json:
         import json
         results = [json.load(open(p)) for p in args.from_json]
@@ -357,12 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
                        max_spec_tokens=max(spec_ks + [0]))
     sync(device)
     build_s = time.perf_counter() - t0
-    row_check = None
-    if args.check_rows:
-        if args.cuda_graphs:
-            raise SystemExit("--check-rows: eager steps only (a hooked attend is not captured in a graph)")
-        from benches.gpu_row_check import RowCheck
-        row_check = RowCheck(eng.runner.attn_backend, cfg.num_hidden_layers)
+    row_check = RowCheck(eng.runner.attn_backend, cfg.num_hidden_layers) if args.check_rows else None
     info = {"shape": args.shape, "params_b": param_count(cfg) / 1e9, "device": _device_name(device),
             "dtype": dtype, "attention_backend": eng.runner.attn_backend.name,
             "kv_blocks": eng.scheduler.config.num_blocks, "kv_gib": kv_bytes / (1 << 30),
@@ -388,9 +386,7 @@ def main(argv: list[str] | None = None) -> dict:
             args.seed, not args.no_profile)
 
     if row_check is not None:
-        result["row_check"] = row_check.summary()
-        print(f"row check: {row_check.rows_unequal} of {row_check.rows_checked} verify rows differ from a decode "
-              f"of their position; first: {row_check.records[:3]}", flush=True)
+        result["row_check"] = row_check.report()
     info["command"] = "python benches/gpu_spec.py " + " ".join(argv if argv is not None else sys.argv[1:])
     info["torch"] = torch.__version__
     print_report(result)
