@@ -12,10 +12,11 @@ Pre-tokenizers (``tokenizer.ggml.pre``; each name as llama.cpp maps it, :data:`P
 - every digit alone, then GPT-2's regex: ``smollm``, ``starcoder``, ``refact`` (Granite 3),
   ``command-r``, ``codeshell``, ``exaone``, ``minerva-7b``;
 - the Llama 3 / cl100k regex (digits in runs of up to 3): ``llama-bpe`` / ``llama3`` / ``llama-v3`` /
-  ``falcon3`` (whole words found in the vocabulary are not merged: llama.cpp's ``ignore_merges``),
+  ``falcon3`` (whole words found in the vocabulary are not merged: llama.cpp's ``ignore_merges``;
+  BOS added unless ``add_bos_token`` says otherwise),
   ``dbrx`` (OLMo 2, Phi-4) and ``smaug-bpe``;
-- the Qwen2 regex (single digits): ``qwen2`` (Qwen2/2.5/3), ``deepseek-r1-qwen``, ``stablelm2``,
-  ``megrez``;
+- the Qwen2 regex (single digits): ``qwen2`` (Qwen2/2.5/3) and ``deepseek-r1-qwen`` after NFC, as
+  Qwen's tokenizer.json composes the text (llama.cpp does not), ``stablelm2``, ``megrez``;
 - the o200k regex: ``gpt-4o`` (Phi-4-mini), ``llama4``.
 Any other name, or none, is a ``ValueError`` naming ``tokenizer.ggml.pre``: a different split gives
 different tokens for the same text, silently.
@@ -30,9 +31,9 @@ finds them when a converter left the ids out.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from tokenbudget.engine.text.spm import (
@@ -57,15 +58,25 @@ _O200K_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm
                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _GPT2, _DIGITS = "gpt2", "digits"  # splits made by tokenizers' own ByteLevel / Digits pre-tokenizers
 
-# tokenizer.ggml.pre -> (split, ignore_merges), as llama-vocab.cpp maps the names
-PRE_TOKENIZERS: dict[str, tuple[str, bool]] = {
-    **dict.fromkeys(("gpt-2", "phi-2", "olmo", "mpt"), (_GPT2, False)),
+
+class PreTokenizer(NamedTuple):
+    split: str  # a regex, or _GPT2 / _DIGITS
+    ignore_merges: bool = False  # a word found whole in the vocabulary is one token (llama.cpp's ignore_merges)
+    add_bos: bool = False  # llama.cpp's add_bos when tokenizer.ggml.add_bos_token is absent
+    nfc: bool = False  # the model's tokenizer.json composes the text first (Qwen's NFC normalizer)
+
+
+# tokenizer.ggml.pre -> how llama-vocab.cpp (and the model's tokenizer.json) split the text
+PRE_TOKENIZERS: dict[str, PreTokenizer] = {
+    **dict.fromkeys(("gpt-2", "phi-2", "olmo", "mpt"), PreTokenizer(_GPT2)),
     **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
-                    (_DIGITS, False)),
-    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "falcon3"), (_LLAMA3_SPLIT, True)),
-    **dict.fromkeys(("dbrx", "smaug-bpe"), (_LLAMA3_SPLIT, False)),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), (_QWEN2_SPLIT, False)),
-    **dict.fromkeys(("gpt-4o", "llama4"), (_O200K_SPLIT, False)),
+                    PreTokenizer(_DIGITS)),
+    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "falcon3"),
+                    PreTokenizer(_LLAMA3_SPLIT, ignore_merges=True, add_bos=True)),
+    **dict.fromkeys(("dbrx", "smaug-bpe"), PreTokenizer(_LLAMA3_SPLIT)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), PreTokenizer(_QWEN2_SPLIT, nfc=True)),
+    **dict.fromkeys(("stablelm2", "megrez"), PreTokenizer(_QWEN2_SPLIT)),
+    **dict.fromkeys(("gpt-4o", "llama4"), PreTokenizer(_O200K_SPLIT)),
 }
 
 # llama.cpp's end-of-generation token texts (llama-vocab.cpp) for the families this engine runs
@@ -78,7 +89,7 @@ _PHI3_NO_RSTRIP = frozenset({"<unk>", "<s>", "<|endoftext|>"})
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    split = PRE_TOKENIZERS[pre][0]
+    split = PRE_TOKENIZERS[pre].split
     if split == _GPT2:
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if split == _DIGITS:
@@ -102,7 +113,9 @@ def _byte_level_bpe(meta: dict[str, Any], tokens: list[str]) -> HFTokenizer:
         pairs.append((left, right))
     vocab = {tok: i for i, tok in reversed(list(enumerate(tokens)))}
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
-                                 ignore_merges=PRE_TOKENIZERS[pre][1]))
+                                 ignore_merges=PRE_TOKENIZERS[pre].ignore_merges))
+    if PRE_TOKENIZERS[pre].nfc:
+        tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = _pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
     return tok
@@ -184,7 +197,8 @@ def build_gguf_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     special = {i for i, ty in enumerate(types) if ty in special_types}
     special |= {i for i in (ids["bos"], *end_ids) if i is not None}
     user = {i for i, ty in enumerate(types) if ty == TOKEN_TYPE_USER_DEFINED} - special
-    add = {"bos": bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
+    pre = PRE_TOKENIZERS.get(meta.get("tokenizer.ggml.pre"))
+    add = {"bos": bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama" or (pre is not None and pre.add_bos))),
            "eos": bool(meta.get("tokenizer.ggml.add_eos_token", False))}
     for name, on in add.items():
         if on and ids[name] is None:
