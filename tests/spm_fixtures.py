@@ -11,7 +11,6 @@ tokenizer_config.json; ``add_space_prefix`` false for Gemma.
 
 from __future__ import annotations
 
-import os
 import random
 
 WORDS = ("the quick brown fox jumps over lazy dog hello world naïve café 世界 你好 日本語 テキスト 한국어 "

@@ -19,13 +19,12 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from spm_fixtures import write_gguf  # noqa: E402
+from test_tokenizer import CORPUS, SAMPLES  # noqa: E402
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from tokenbudget.engine.loader.gguf_loader import read_gguf_metadata
 from tokenbudget.engine.text.gguf_tokenizer import build_gguf_tokenizer
-
-from spm_fixtures import write_gguf  # noqa: E402
-from test_tokenizer import CORPUS, SAMPLES  # noqa: E402
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (the [test] extra)")
 
@@ -105,7 +104,8 @@ def _reference(family: str, path) -> tuple:
     spec["model"]["vocab"]["\u0120zyzzyva"] = max(spec["model"]["vocab"].values()) + 1  # a word no merge reaches
     tok = Tokenizer.from_str(json.dumps(spec))
     if bos is not None:
-        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A",
+                                                           special_tokens=[(bos, tok.token_to_id(bos))])
     tok.save(str(path / "tokenizer.json"))
     hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
     vocab = tok.get_vocab(with_added_tokens=True)
