@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from chat_templates import GEMMA3  # noqa: E402
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from spm_fixtures import gguf_metadata_for, train_sentencepiece, write_gguf  # noqa: E402
@@ -172,6 +173,10 @@ def test_gemma_chat_markers_and_whitespace_tokens(models) -> None:
     assert ids == sp.encode(text) == hf(text, add_special_tokens=False).input_ids
     assert ours.decode(ids) == "user\n  indented   code\nmodel\n"  # markers are special: skipped
     assert ours.decode(ids, skip_special_tokens=False) == text
+    # a chat prompt is encoded without adding BOS on top of the one the template writes
+    prompt = ours.chat_prompt([{"role": "user", "content": "hi"}], chat_template=GEMMA3)
+    assert prompt["prompt"].startswith("<s><start_of_turn>user\nhi")
+    assert prompt["prompt_token_ids"] == ours.encode(prompt["prompt"]) and prompt["prompt_token_ids"].count(1) == 1
 
 
 @settings(max_examples=150, deadline=None)

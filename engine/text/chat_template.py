@@ -8,8 +8,8 @@ template gives the same text: ``trim_blocks``, ``lstrip_blocks``, loop controls,
 ``strftime_now``, a ``tojson`` that keeps non-ASCII), and every template is instrumented when it is
 compiled so that each render is held to a :class:`_Budget`:
 
-- **steps**: loop iterations, calls (functions, macros, filters, tests) and outputs together at most
-  ``200_000 + 100 * len(messages)``;
+- **steps**: loop iterations, calls (functions, filters, tests; a macro call counts 50) and outputs
+  together at most ``200_000 + 1000 * len(messages)``;
 - **characters**: every string the template builds (each output, ``~`` and ``+`` concatenation,
   ``*`` repetition, ``%`` formatting, filter and method results, slices) counts, at most
   ``1 MiB + 16 x`` the characters of its inputs. What could be large is measured *before* it is
@@ -36,6 +36,7 @@ from typing import Any
 
 from jinja2 import nodes
 from jinja2.exceptions import TemplateError
+from jinja2.runtime import Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
@@ -45,7 +46,8 @@ MAX_TEMPLATE_CHARS = 1 << 20  # a template's own source (real ones are a few KB)
 MAX_INT_ARG = 100_000
 MAX_INT_BITS = 100_000
 BASE_CHARS, CHARS_PER_INPUT_CHAR = 1 << 20, 16
-BASE_STEPS, STEPS_PER_MESSAGE = 200_000, 100
+BASE_STEPS, STEPS_PER_MESSAGE = 200_000, 1000
+MACRO_STEPS = 50  # a macro call costs tens of simple steps (a frame, a context, a buffer, a join)
 SECONDS = 10.0
 MAX_KWARGS_CHARS = 1 << 16  # chat_template_kwargs, serialized
 _RESERVED_KWARGS = frozenset({"messages", "chat_template", "tokenize"})
@@ -66,8 +68,8 @@ class _Budget:
         self.deadline, self.seconds, self._clock_at = time.monotonic() + seconds, seconds, 256
         self._weights: dict[int, tuple[Any, int]] = {}
 
-    def step(self) -> None:
-        self.steps += 1
+    def step(self, n: int = 1) -> None:
+        self.steps += n
         if self.steps > self.max_steps:
             raise _Exceeded(f"more than {self.max_steps} steps (loop iterations, calls and outputs)")
         if self.steps >= self._clock_at:
@@ -81,7 +83,8 @@ class _Budget:
             raise _Exceeded(f"{what} would take the characters built past {self.max_chars}")
 
     def built(self, value: Any) -> Any:
-        if isinstance(value, str):
+        """Count a string (its characters) or a list (its items) the template just made."""
+        if isinstance(value, (str, list, tuple)):
             self.chars += len(value)
             self.room(0, "the output")
         return value
@@ -229,7 +232,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         if __obj in __self._instruments:
             return __obj(*args)
         b = _budget()
-        b.step()
+        b.step(MACRO_STEPS if isinstance(__obj, Macro) else 1)
         name = getattr(__obj, "__name__", "")
         _check_ints(args, kwargs, f"a call of {name or 'a function'}")
         if name == "join" and args and hasattr(args[0], "__next__"):
@@ -279,9 +282,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
 def _slice(obj: Any, start: Any, stop: Any, step: Any) -> Any:
     b = _budget()
     b.step()
-    if isinstance(obj, (str, list, tuple)):
-        b.room(len(range(*slice(start, stop, step).indices(len(obj)))), "a slice")
-    return b.built(obj[start:stop:step])
+    return b.built(obj[start:stop:step])  # never longer than what it slices: counted after
 
 
 def _iterate(iterable: Any) -> Any:
