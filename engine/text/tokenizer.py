@@ -112,7 +112,9 @@ class Tokenizer:
 
     @property
     def backend(self) -> tokenizers.Tokenizer:
-        """The wrapped ``tokenizers.Tokenizer`` (do not mutate)."""
+        """The wrapped ``tokenizers.Tokenizer`` (do not mutate): the vocabulary, added tokens and
+        decoder. A vocabulary with its own ``encoder`` (SentencePiece from GGUF) is encoded by
+        :meth:`encode` only; the backend's own ``encode`` is not the model's there."""
         return self._tok
 
     def id_to_token(self, token_id: int) -> str | None:
