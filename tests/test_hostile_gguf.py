@@ -181,6 +181,7 @@ sys.path.insert(0, {tests!r})
 from hypothesis import HealthCheck, given, settings, strategies as st
 from gguf_craft import Q, encode, tiny_model
 from tokenbudget.engine.loader.gguf_file import parse_gguf
+from tokenbudget.engine.loader.model_checks import check_gguf_model
 
 vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
 resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))  # +1 GiB
@@ -211,7 +212,7 @@ def parse_mutated(edits):
         else:
             data[at:at] = v
     try:
-        parse_gguf(bytes(data), "fuzz.gguf")
+        check_gguf_model(parse_gguf(bytes(data), "fuzz.gguf"))
     except ValueError as exc:
         assert type(exc) is ValueError and str(exc).startswith("fuzz.gguf: "), repr(exc)
 
