@@ -68,6 +68,12 @@ def run(args) -> int:
         options["cuda_graphs"] = True
     options["speculative_config"] = speculative_config_from_args(args)
     EngineConfig.from_kwargs(model=args.model, **options)  # a bad flag: ValueError before the port opens
+    if args.model is not None:  # a bad model file too: its header checks take milliseconds
+        from tokenbudget.engine.loader import check_model_files
+        try:
+            check_model_files(args.model)
+        except (ValueError, OSError) as exc:  # worded as serve_replica words a failed load
+            raise ValueError(f"model: {exc}") from None
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                       else "SmolLM2-135M-Instruct")
     from tokenbudget.engine.serve.limits import ServerLimits

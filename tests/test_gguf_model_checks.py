@@ -9,6 +9,8 @@ byte patches of the default model, loaded through ``LLM`` and the CLI.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import gguf
 import pytest
@@ -220,3 +222,14 @@ def test_llm_refuses_the_issues_default_model_variants(tmp_path, no_dequantize, 
     assert str(exc.value).startswith(f"{path}: ")
     for f in fields:
         assert f in str(exc.value)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_cli_prints_one_line_and_exits_2(tmp_path, command):
+    path = patched_default_model(tmp_path, "llama.block_count", 5)
+    argv = ["generate", "--model", path, "hi"] if command == "generate" else ["serve", path, "--port", "0"]
+    res = subprocess.run([sys.executable, "-m", "tokenbudget", *argv], capture_output=True, text=True, timeout=300)
+    lines = res.stderr.strip().splitlines()
+    prefix = "tokenbudget: error: " + ("model: " if command == "serve" else "")
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert lines[0].startswith(f"{prefix}{path}: llama.block_count = 5"), lines[0]
