@@ -156,15 +156,19 @@ def test_long_context_over_key_tiles():
     torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-5)
 
 
-def test_unsupported_rope_and_arch_rejected():
+def test_bad_rope_and_weights_rejected():
     hf, cfg = make_hf("llama", {})
     sd = hf.state_dict()
     import msgspec
-    bad = msgspec.structs.replace(cfg, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    bad = msgspec.structs.replace(cfg, rope_scaling={"rope_type": "made_up", "factor": 2.0})
     with pytest.raises(ValueError, match="rope_type"):
         build_model(bad, sd)
-    with pytest.raises(ValueError, match="architecture"):
-        build_model(msgspec.structs.replace(cfg, architecture="gpt2"), sd)
+    with pytest.raises(ValueError, match="low_freq_factor"):
+        build_model(msgspec.structs.replace(cfg, rope_scaling={"rope_type": "llama3", "factor": 8.0}), sd)
+    with pytest.raises(ValueError, match="unexpected tensor model.layers.0.pre_feedforward_layernorm"):
+        build_model(cfg, {**sd, "model.layers.0.pre_feedforward_layernorm.weight": torch.ones(64)})
+    with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj.weight has shape"):
+        build_model(cfg, {**sd, "model.layers.1.mlp.down_proj.weight": torch.ones(64, 95)})
     sd.pop("model.layers.1.mlp.up_proj.weight")
     with pytest.raises(ValueError, match="up_proj"):
         build_model(cfg, sd)

@@ -78,6 +78,7 @@ def wire_engine(config: EngineConfig, target: TargetModel, spec_config: Speculat
     if max_model_len > mcfg.max_position_embeddings:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's context "
                          f"({mcfg.max_position_embeddings} positions)")
+    model.reserve_positions(max_model_len)  # RoPE tables cover the engine's positions (sized here, not by the file)
     lookahead = spec_config.max_spec_tokens if spec_config is not None and spec_config.uses_draft_kv else 0
     sched_config = SchedulerConfig(
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,

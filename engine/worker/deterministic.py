@@ -3,7 +3,7 @@
 Goal: a position's logits are the same bits whether it is decoded alone, verified inside a
 (1 + k)-row verify or computed next to other requests, so greedy speculation is bit-identical
 to plain decoding (the CPU path already is: oneDNN prepacked linears on padded rows and the
-torch_ref attention, see ``engine/model/llama.py``). On CUDA that needs:
+torch_ref attention, see ``engine/model/decoder.py``). On CUDA that needs:
 
 * attention: every decode/verify row through tensor-core decode with ``q_len_per_req`` and no
   KV split (the FlashInfer backend always does this), and prefill chunks with

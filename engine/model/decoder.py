@@ -1,4 +1,8 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2 with q/k/v bias, SmolLM2 with tied embeddings).
+"""The decoder-only transformer every supported family runs on: Llama (and Llama 3.x, SmolLM2),
+Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3/4, OLMo 2, Granite. One definition driven by the
+config (``engine/model/config.py``): each family is the Llama layer with a few switches on
+(q/k norms, norms after attention and MLP, GeGLU, embedding/residual/logit multipliers, logit
+soft-capping, sliding-window layers with their own RoPE, partial rotary, biases).
 
 Plain PyTorch over a FLAT token batch: ``forward(input_ids[T], positions[T], attn_metadata,
 kv_caches) -> hidden[T, H]`` (after the final norm), ``compute_logits(hidden[S, H]) -> [S, V]``
@@ -42,78 +46,46 @@ benches/RESULTS.md, "Figures behind decisions in the source").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from tokenbudget.engine.model.aux_states import check_aux_layers
 from tokenbudget.engine.model.config import ModelConfig
-from tokenbudget.engine.model.layers import Linear, pad_rows, rms_norm, swiglu
+from tokenbudget.engine.model.layers import ACTIVATIONS, Linear, gated_mlp, pad_rows, rms_norm
 from tokenbudget.engine.model.rope import RotaryTable
+from tokenbudget.engine.model.weights import LayerWeights, WeightReader
 from tokenbudget.kernels.attention.base import AttentionMetadata
 
 
-@dataclass(slots=True)
-class LayerWeights:
-    input_norm: torch.Tensor
-    qkv: Linear                  # [(H + 2 Hk) * D, hidden] (+ bias for Qwen2)
-    o: Linear                    # [hidden, H * D]
-    post_norm: torch.Tensor
-    gate_up: Linear              # [2 I, hidden]
-    down: Linear                 # [hidden, I]
-
-
-def _layer_from_hf(sd: dict[str, torch.Tensor], i: int, bias: bool, dtype, device) -> LayerWeights:
-    p = f"model.layers.{i}."
-
-    def get(name: str) -> torch.Tensor:
-        try:
-            return sd[p + name]
-        except KeyError:
-            raise ValueError(f"state_dict is missing {p + name}") from None
-
-    def cvt(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dtype=dtype, device=device).contiguous()
-
-    qkv = cvt(torch.cat([get(f"self_attn.{n}_proj.weight") for n in "qkv"]))
-    qkv_bias = (cvt(torch.cat([get(f"self_attn.{n}_proj.bias") for n in "qkv"])) if bias else None)
-    gate_up = cvt(torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]))
-    return LayerWeights(cvt(get("input_layernorm.weight")), Linear(qkv, qkv_bias),
-                        Linear(cvt(get("self_attn.o_proj.weight"))),
-                        cvt(get("post_attention_layernorm.weight")),
-                        Linear(gate_up), Linear(cvt(get("mlp.down_proj.weight"))))
-
-
-class LlamaForCausalLM(torch.nn.Module):
-    """Weights live in plain tensors (``self.layers``), not ``nn.Parameter`` s: the forward
-    touches them with no module-attribute overhead. Inference only (no autograd)."""
+class DecoderLM(torch.nn.Module):
+    """Weights live in plain tensors (``self.layers``: one :class:`LayerWeights` each), not
+    ``nn.Parameter`` s: the forward touches them with no module-attribute overhead. Inference only
+    (no autograd). Everything a layer needs of its own (its window, its RoPE table) is on its
+    ``LayerWeights``, so a view over the first N layers (the self-drafter) is a working model."""
 
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         super().__init__()
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
-        self.config = config
+        c = self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.resolved_head_dim
-        self.eps = config.rms_norm_eps
-        bias = config.attention_bias or "model.layers.0.self_attn.q_proj.bias" in state_dict
-        if "model.embed_tokens.weight" not in state_dict:
-            raise ValueError("state_dict is missing model.embed_tokens.weight")
-        self.embed = state_dict["model.embed_tokens.weight"].to(dtype=dtype, device=device)
-        self.layers = [_layer_from_hf(state_dict, i, bias, dtype, device)
-                       for i in range(config.num_hidden_layers)]
-        self.norm = state_dict["model.norm.weight"].to(dtype=dtype, device=device)
-        if config.tie_word_embeddings or "lm_head.weight" not in state_dict:
-            self.lm_head = Linear(self.embed)  # tied (oneDNN keeps its own packed copy)
+        self.num_heads = c.num_attention_heads
+        self.num_kv_heads = c.num_key_value_heads
+        self.head_dim = c.resolved_head_dim
+        self.eps = c.rms_norm_eps
+        w = WeightReader(c, state_dict, dtype, device)
+        self.embed = w.get("model.embed_tokens.weight")
+        self.ropes: dict[tuple, RotaryTable] = {}  # one table per distinct (theta, scaling)
+        self.layers = [w.layer(i, c.layer_window(i), self._rope_for(i)) for i in range(c.num_hidden_layers)]
+        self.norm = w.norm("model.norm.weight")
+        if "lm_head.weight" in w.names:
+            self.lm_head = Linear(w.get("lm_head.weight"))
         else:
-            self.lm_head = Linear(state_dict["lm_head.weight"].to(dtype=dtype, device=device).contiguous())
-        self.rope = RotaryTable(self.head_dim, config.rope_theta, config.rope_scaling,
-                                config.max_position_embeddings, dtype, device)
+            self.lm_head = Linear(self.embed)  # tied (oneDNN keeps its own packed copy)
+        self.rope = self.layers[0].rope  # the C forward's table (it runs single-table models only)
+        self.act = ACTIVATIONS[c.hidden_act]
         # Rows of every GEMM are padded to this multiple (batch invariance; module doc).
         self.row_multiple = Linear.row_multiple
         self.q_size = self.num_heads * self.head_dim
@@ -124,10 +96,29 @@ class LlamaForCausalLM(torch.nn.Module):
         self.aux_layers: tuple[int, ...] | None = None
         self.aux_hidden_states: torch.Tensor | None = None
 
+    def _rope_for(self, layer: int) -> RotaryTable:
+        c = self.config
+        theta, scaling = c.layer_rope(layer)
+        key = (theta, repr(scaling))
+        if key not in self.ropes:
+            self.ropes[key] = RotaryTable(self.head_dim, theta, scaling, c.max_position_embeddings, self.dtype,
+                                          self.device, rotary_dim=c.rotary_dim)
+        return self.ropes[key]
+
+    def reserve_positions(self, n: int) -> None:
+        """Cover positions ``[0, n)`` in every RoPE table (the engine's max_model_len)."""
+        for table in self.ropes.values():
+            table.reserve(n)
+
     def set_aux_layers(self, ids) -> None:
         """Keep the residual stream at the input of layers ``ids`` in each forward (None: none)."""
         self.aux_layers = check_aux_layers(ids, len(self.layers))
         self.aux_hidden_states = None
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed[input_ids]
+        m = self.config.embedding_multiplier
+        return x if m == 1.0 else x * m
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -137,33 +128,66 @@ class LlamaForCausalLM(torch.nn.Module):
         if tp != t:  # batch invariance: every GEMM sees a multiple-of-4 row count
             input_ids = F.pad(input_ids, (0, tp - t))
             positions = F.pad(positions, (0, tp - t))
-        backend = attn_metadata.backend
-        h, hk, d, q_size, kv_size = self.num_heads, self.num_kv_heads, self.head_dim, self.q_size, self.kv_size
-        cos, sin = self.rope.lookup(positions)
-        x = self.embed[input_ids]
+        x = self.embed_tokens(input_ids)
+        rotations = {id(r): r.lookup(positions) for r in self.ropes.values()}
         taps, tapped = self.aux_layers, {}
         self.aux_hidden_states = None
         for i, (lw, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if taps and i in taps:
                 tapped[i] = x  # x is rebound below, never written in place
-            hs = self.rms_norm(x, lw.input_norm, self.eps)
-            qkv = lw.qkv(hs)
-            qk = self.rope.apply(qkv[:, :q_size + kv_size].view(tp, h + hk, d), cos, sin)
-            q, k = qk[:, :h], qk[:, h:]
-            v = qkv[:, q_size + kv_size:].view(tp, hk, d)
-            backend.write_kv(k, v, kv_cache, attn_metadata)
-            attn = backend.attend(q, kv_cache, attn_metadata)
-            x = x + lw.o(attn.reshape(tp, q_size))
-            x = x + swiglu(self.rms_norm(x, lw.post_norm, self.eps), lw.gate_up, lw.down)
+            x = self._layer(lw, x, rotations[id(lw.rope)], attn_metadata, kv_cache)
         if taps:
             self.aux_hidden_states = torch.cat([tapped[i][:t] for i in taps], dim=1).float()
         return self.rms_norm(x, self.norm, self.eps)[:t]
 
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        return x if weight is None else self.rms_norm(x, weight, self.eps)
+
+    def _layer(self, lw: LayerWeights, x: torch.Tensor, rotation, md: AttentionMetadata,
+               kv_cache: torch.Tensor) -> torch.Tensor:
+        tp, c = x.shape[0], self.config
+        h, hk, d, q_size, kv_size = self.num_heads, self.num_kv_heads, self.head_dim, self.q_size, self.kv_size
+        cos, sin = rotation
+        qkv = lw.qkv(self._norm(x, lw.attn_in_norm))
+        v = qkv[:, q_size + kv_size:].view(tp, hk, d)
+        if c.qk_norm == "none":  # q and k heads rotated in one call
+            qk = lw.rope.apply(qkv[:, :q_size + kv_size].view(tp, h + hk, d), cos, sin)
+            q, k = qk[:, :h], qk[:, h:]
+        else:
+            q, k = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
+            if c.qk_norm == "proj":  # OLMo 2: over the whole projection, before the heads split
+                q, k = self._norm(q, lw.q_norm), self._norm(k, lw.k_norm)
+            q, k = q.reshape(tp, h, d), k.reshape(tp, hk, d)
+            if c.qk_norm == "head":  # Qwen3, Gemma 3: over each head
+                q, k = self._norm(q, lw.q_norm), self._norm(k, lw.k_norm)
+            q, k = lw.rope.apply(q, cos, sin), lw.rope.apply(k, cos, sin)
+        backend = md.backend
+        backend.write_kv(k, v, kv_cache, md)
+        attn = backend.attend(q, kv_cache, md, lw.window)
+        x = self._residual(x, self._norm(lw.o(attn.reshape(tp, q_size)), lw.attn_out_norm))
+        mlp = gated_mlp(self._norm(x, lw.mlp_in_norm), lw.gate_up, lw.down, self.act)
+        return self._residual(x, self._norm(mlp, lw.mlp_out_norm))
+
+    def _residual(self, x: torch.Tensor, block_out: torch.Tensor) -> torch.Tensor:
+        m = self.config.residual_multiplier
+        return x + block_out if m == 1.0 else x + block_out * m
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [S, H]`` -> fp32 logits ``[S, V]`` (rows padded like ``forward``)."""
+        """``hidden [S, H]`` -> fp32 logits ``[S, V]`` (rows padded like ``forward``), with the
+        family's final scaling (Granite) and soft-cap (Gemma 2)."""
         s = hidden.shape[0]
         sp = pad_rows(s, self.row_multiple)
         if sp != s:
             hidden = F.pad(hidden, (0, 0, 0, sp - s))
-        return self.lm_head.fp32_out(hidden.contiguous())[:s]
+        logits = self.lm_head.fp32_out(hidden.contiguous())[:s]
+        return finish_logits(logits, self.config)
+
+
+def finish_logits(logits: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """The family's last touch on the LM head's fp32 output, in transformers' order."""
+    if config.logits_scaling != 1.0:
+        logits = logits / config.logits_scaling
+    if (cap := config.final_logit_softcapping) is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
