@@ -50,11 +50,11 @@ FAMILIES: dict[str, tuple[str, dict]] = {
 
 def make_family_model(family: str, seed: int = 0, **overrides):
     """``(transformers model in eval mode, its config)`` for ``family`` (a key of FAMILIES);
-    ``overrides``: config values (``num_hidden_layers`` also cuts ``layer_types``)."""
+    ``overrides``: config values (``num_hidden_layers`` also sizes ``layer_types``)."""
     model_type, extra = FAMILIES[family]
     kw = {**BASE, **extra, **overrides}
-    if "layer_types" in kw:
-        kw["layer_types"] = kw["layer_types"][:kw["num_hidden_layers"]]
+    if "layer_types" in kw:  # the family's pattern, repeated or cut to the layer count
+        kw["layer_types"] = [kw["layer_types"][i % len(kw["layer_types"])] for i in range(kw["num_hidden_layers"])]
     cfg = transformers.AutoConfig.for_model(model_type, **kw)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)

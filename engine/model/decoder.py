@@ -135,7 +135,7 @@ class DecoderLM(torch.nn.Module):
         for i, (lw, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if taps and i in taps:
                 tapped[i] = x  # x is rebound below, never written in place
-            x = self._layer(lw, x, rotations[id(lw.rope)], attn_metadata, kv_cache)
+            x = self.layer(lw, x, rotations[id(lw.rope)], attn_metadata, kv_cache)
         if taps:
             self.aux_hidden_states = torch.cat([tapped[i][:t] for i in taps], dim=1).float()
         return self.rms_norm(x, self.norm, self.eps)[:t]
@@ -143,8 +143,11 @@ class DecoderLM(torch.nn.Module):
     def _norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         return x if weight is None else self.rms_norm(x, weight, self.eps)
 
-    def _layer(self, lw: LayerWeights, x: torch.Tensor, rotation, md: AttentionMetadata,
-               kv_cache: torch.Tensor) -> torch.Tensor:
+    def layer(self, lw: LayerWeights, x: torch.Tensor, rotation, md: AttentionMetadata,
+              kv_cache: torch.Tensor | None) -> torch.Tensor:
+        """One decoder layer on the residual stream ``x [Tp, hidden]``: ``rotation`` is the
+        layer's RoPE table looked up at the rows' positions, the attention goes through
+        ``md.backend`` (the training forward passes a dense one). Returns the new stream."""
         tp, c = x.shape[0], self.config
         h, hk, d, q_size, kv_size = self.num_heads, self.num_kv_heads, self.head_dim, self.q_size, self.kv_size
         cos, sin = rotation
