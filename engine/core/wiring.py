@@ -49,7 +49,7 @@ def load_and_wire(config: EngineConfig, target: TargetModel | None = None) -> Wi
     threads = set_torch_threads(config.num_threads)
     if target is None:
         target = load_target_model(config.model, dtype=config.dtype, device=config.device,
-                                   quantization=config.quantization)
+                                   quantization=config.quantization, revision=config.revision)
     else:
         check_target_matches(config, target)
     return wire_engine(config, target, spec_config, threads)
