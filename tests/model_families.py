@@ -87,3 +87,24 @@ def greedy_reference(model, prompt: list[int], max_tokens: int) -> tuple[list[in
             rows.append(logits)
             ids.append(int(logits.argmax()))
     return ids[len(prompt):], torch.stack(rows)
+
+
+def make_gemma3_multimodal_dir(path, seed: int = 0) -> tuple[str, torch.nn.Module]:
+    """A tiny Gemma 3 image-text checkpoint (``model_type`` gemma3: a SigLIP tower, a projector and
+    the gemma3_text case's language model), saved with a tokenizer; ``(path, transformers model)``."""
+    _, text = make_family_model("gemma3_text", seed)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4,
+                                    image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "language_model" in name and "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.2)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(str(path))
+    write_tokenizer_files(str(path))
+    return str(path), model

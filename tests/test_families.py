@@ -101,3 +101,16 @@ def test_speculation_is_lossless_chunked_and_preempted(family, reference, method
     assert llm.get_spec_stats().num_draft_tokens > 0
     sched.check_integrity()
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_gemma3_image_text_checkpoint_runs_its_language_model(tmp_path) -> None:
+    """A Gemma 3 4B-27B style checkpoint (model_type gemma3, a vision tower beside the language
+    model): its text model loads alone (the tower's tensors unread) and decodes as transformers."""
+    from model_families import make_gemma3_multimodal_dir
+
+    path, hf = make_gemma3_multimodal_dir(tmp_path / "mm")
+    loaded = load_model_files(path)
+    assert loaded.config.architecture == "gemma3_text"
+    assert not any("vision" in k or "projector" in k for k in loaded.state_dict)
+    llm = LLM(path, dtype="float32", num_threads=1, kv_cache_memory_bytes=4 << 20)
+    assert _generate(llm)[:2] == [greedy_reference(hf, p, MAX_TOKENS)[0] for p in PROMPTS[:2]]

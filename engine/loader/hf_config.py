@@ -6,6 +6,9 @@ layer type for Gemma 3; ``layer_types``) are read; where a key is absent, the fa
 default applies (written here, so transformers is not needed at run time). ``rope_scaling`` is
 normalised to a dict that always carries ``rope_type`` (``None`` for plain RoPE).
 
+A multimodal checkpoint whose language model is a supported family (Gemma 3's 4B-27B) loads its
+text model alone (``TEXT_MODELS``): the vision tower's tensors are never read.
+
 Adding a family: a reader below that maps its config keys onto the switches of
 :class:`ModelConfig` (docs/DESIGN.md, "Model families"); the weights side reads the switches.
 """
@@ -17,7 +20,7 @@ from typing import Any
 
 from tokenbudget.engine.model.config import ModelConfig
 
-__all__ = ["SUPPORTED_HF_ARCHS", "hf_config_to_model_config"]
+__all__ = ["SUPPORTED_HF_ARCHS", "hf_config_to_model_config", "text_tensor_name"]
 
 
 def _rope(params: Any, cfg: dict[str, Any], theta_default: float) -> tuple[float, dict[str, Any] | None]:
@@ -160,11 +163,40 @@ def _granite(cfg: dict[str, Any]) -> dict[str, Any]:
                 logits_scaling=float(cfg.get("logits_scaling", 1.0)))
 
 
+# Multimodal checkpoints whose language model runs alone (text in, text out): their config's
+# ``text_config`` is read as this model_type, their tensors renamed by ``text_tensor_name``.
+TEXT_MODELS = {"gemma3": "gemma3_text"}
+_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                  "language_model.lm_head.": "lm_head.", "lm_head.": "lm_head."}
+
+
+def text_tensor_name(model_type: str | None, name: str) -> str | None:
+    """The HF name of checkpoint tensor ``name`` in the text model, None for a tensor the text
+    model does not use (a multimodal checkpoint's vision tower and projector)."""
+    if model_type not in TEXT_MODELS:
+        return name
+    for prefix, to in _TEXT_PREFIXES.items():
+        if name.startswith(prefix):
+            return to + name[len(prefix):]
+    return None
+
+
+def _text_part(cfg: dict[str, Any]) -> dict[str, Any]:
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"config.json of model_type {cfg['model_type']!r} lacks text_config")
+    out = {**text, "model_type": TEXT_MODELS[cfg["model_type"]]}
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+        if out.get(key) is None and cfg.get(key) is not None:
+            out[key] = cfg[key]
+    return out
+
+
 FAMILIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3, "gemma2": _gemma2,
     "gemma3_text": _gemma3, "phi3": _phi3, "olmo2": _olmo2, "granite": _granite,
 }
-SUPPORTED_HF_ARCHS = tuple(FAMILIES)
+SUPPORTED_HF_ARCHS = (*FAMILIES, *TEXT_MODELS)
 
 
 def hf_config_to_model_config(cfg: dict[str, Any],
@@ -172,8 +204,10 @@ def hf_config_to_model_config(cfg: dict[str, Any],
     """Translate a parsed ``config.json`` into :class:`ModelConfig` (``ValueError`` naming the key
     if it is missing, malformed or unsupported)."""
     model_type = cfg.get("model_type")
+    if model_type in TEXT_MODELS:
+        cfg, model_type = _text_part(cfg), TEXT_MODELS[model_type]
     if model_type not in FAMILIES:
-        raise ValueError(f"model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
+        raise ValueError(f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_HF_ARCHS)})")
     try:
         fields = FAMILIES[model_type](cfg)
     except KeyError as e:

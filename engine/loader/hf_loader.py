@@ -10,22 +10,25 @@ absent; the config is marked tied when the checkpoint has no ``lm_head.weight``.
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
-from tokenbudget.engine.loader.hf_config import hf_config_to_model_config
+from tokenbudget.engine.loader.hf_config import hf_config_to_model_config, text_tensor_name
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.text.tokenizer import Tokenizer
 
 __all__ = ["load_safetensors_dir", "load_hf_dir"]
 
-def load_safetensors_dir(path: str, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """All tensors of the safetensors files in ``path`` (index-listed shards when indexed)."""
+def load_safetensors_dir(path: str, dtype: torch.dtype = torch.float32,
+                        rename=None) -> dict[str, torch.Tensor]:
+    """All tensors of the safetensors files in ``path`` (index-listed shards when indexed);
+    ``rename(name)``: the name to keep a tensor under, or None to skip it unread."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index, encoding="utf-8") as f:
@@ -37,8 +40,12 @@ def load_safetensors_dir(path: str, dtype: torch.dtype = torch.float32) -> dict[
         raise FileNotFoundError(f"{path} has no *.safetensors files (.bin checkpoints are not supported)")
     state_dict: dict[str, torch.Tensor] = {}
     for file in files:
-        for name, tensor in load_file(file, device="cpu").items():
-            state_dict[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                keep = name if rename is None else rename(name)
+                if keep is not None:
+                    tensor = f.get_tensor(name)
+                    state_dict[keep] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     return state_dict
 
 
@@ -56,7 +63,7 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32
     if cfg is None:
         raise FileNotFoundError(f"{path} has no config.json")
     config = hf_config_to_model_config(cfg, _read_json(os.path.join(path, "generation_config.json")))
-    state_dict = load_safetensors_dir(path, dtype)
+    state_dict = load_safetensors_dir(path, dtype, rename=functools.partial(text_tensor_name, cfg.get("model_type")))
     state_dict = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
     if "lm_head.weight" not in state_dict and not config.tie_word_embeddings:
         import msgspec
