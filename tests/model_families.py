@@ -43,6 +43,10 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                                            "long_factor": [1.0, 4.0, 8.0, 16.0],
                                            "original_max_position_embeddings": 128, "partial_rotary_factor": 0.5})),
     "olmo2": ("olmo2", dict()),
+    "smollm3": ("smollm3", dict(num_hidden_layers=4, no_rope_layer_interval=2, use_sliding_window=True,
+                                sliding_window=8)),
+    "ministral": ("ministral", dict(head_dim=16, sliding_window=8, num_hidden_layers=3,
+                                    layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
     "granite": ("granite", dict(embedding_multiplier=6.0, residual_multiplier=0.4, attention_multiplier=0.2,
                                 logits_scaling=3.0, attention_bias=True, mlp_bias=True)),
 }

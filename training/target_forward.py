@@ -107,6 +107,7 @@ class TapForward:
                                     torch.empty(0, dtype=torch.long))
         positions = torch.arange(t).repeat(b)
         rotations = {id(r): r.lookup(positions) for r in m.ropes.values()}
+        rotations[id(None)] = None  # a NoPE layer
         h = m.embed_tokens(ids.reshape(-1))
         taps = []
         for layer, lw in enumerate(m.layers):

@@ -150,6 +150,25 @@ def _phi3(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _smollm3(cfg: dict[str, Any]) -> dict[str, Any]:
+    """SmolLM3: Llama with every ``no_rope_layer_interval``-th layer without RoPE (``no_rope_layers``:
+    1 = RoPE), sliding windows only with ``use_sliding_window``."""
+    n = int(cfg["num_hidden_layers"])
+    interval = int(cfg.get("no_rope_layer_interval", 4))
+    has_rope = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    types = _layer_types(cfg, lambda i: "sliding_attention" if window and not has_rope[i] else "full_attention")
+    return dict(_llama(cfg), nope_layers=tuple(i for i, r in enumerate(has_rope) if not r),
+                sliding_window=window, layer_types=types if window else None)
+
+
+def _ministral(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Ministral: Mistral with per-layer attention types."""
+    window = cfg.get("sliding_window", 4096)
+    types = _layer_types(cfg, lambda i: "sliding_attention" if window else "full_attention")
+    return dict(_common(cfg), sliding_window=window, layer_types=types if window else None)
+
+
 def _olmo2(cfg: dict[str, Any]) -> dict[str, Any]:
     bias = bool(cfg.get("attention_bias", False))
     return dict(_common(cfg, eps_default=1e-5), norm_layout="post", qk_norm="proj", attention_bias=bias,
@@ -194,7 +213,8 @@ def _text_part(cfg: dict[str, Any]) -> dict[str, Any]:
 
 FAMILIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3, "gemma2": _gemma2,
-    "gemma3_text": _gemma3, "phi3": _phi3, "olmo2": _olmo2, "granite": _granite,
+    "gemma3_text": _gemma3, "phi3": _phi3, "olmo2": _olmo2, "granite": _granite, "smollm3": _smollm3,
+    "ministral": _ministral,
 }
 SUPPORTED_HF_ARCHS = (*FAMILIES, *TEXT_MODELS)
 

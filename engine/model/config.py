@@ -66,6 +66,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # RoPE of the sliding layers where it differs from the full layers' (Gemma 3: base 10k, no scaling)
     sliding_rope_theta: float | None = None
     sliding_rope_scaling: dict[str, Any] | None = None
+    nope_layers: tuple[int, ...] = ()  # layers that apply no RoPE at all (SmolLM3's NoPE layers)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -97,6 +98,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
             if bad:
                 raise ValueError(f"layer_types {bad} not supported (supported: {', '.join(LAYER_TYPES)})")
+        if any(not 0 <= i < self.num_hidden_layers for i in self.nope_layers):
+            raise ValueError(f"nope_layers {list(self.nope_layers)} must be layer ids below {self.num_hidden_layers}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window!r}")
 
@@ -135,7 +138,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     def first_layers(self, n: int) -> ModelConfig:
         """This config cut to its first ``n`` layers (the self-drafter's)."""
         types = None if self.layer_types is None else self.layer_types[:n]
-        return msgspec.structs.replace(self, num_hidden_layers=n, layer_types=types)
+        return msgspec.structs.replace(self, num_hidden_layers=n, layer_types=types,
+                                       nope_layers=tuple(i for i in self.nope_layers if i < n))
 
     def attention_spec(self, block_size: int, dtype) -> AttentionSpec:
         """What an attention backend needs to know of this model (one spec for every layer; a

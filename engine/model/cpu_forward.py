@@ -82,6 +82,8 @@ def unsupported_switches(config) -> list[str]:
         out.append("residual multiplier")
     if c.sliding_rope_theta is not None:
         out.append("per-layer RoPE")
+    if c.nope_layers:
+        out.append("NoPE layers")
     return out
 
 

@@ -1,5 +1,5 @@
 """The decoder-only transformer every supported family runs on: Llama (and Llama 3.x, SmolLM2),
-Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3/4, OLMo 2, Granite. One definition driven by the
+Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3/4, OLMo 2, Granite, SmolLM3. One definition driven by the
 config (``engine/model/config.py``): each family is the Llama layer with a few switches on
 (q/k norms, norms after attention and MLP, GeGLU, embedding/residual/logit multipliers, logit
 soft-capping, sliding-window layers with their own RoPE, partial rotary, biases).
@@ -84,7 +84,7 @@ class DecoderLM(torch.nn.Module):
             self.lm_head = Linear(w.get("lm_head.weight"))
         else:
             self.lm_head = Linear(self.embed)  # tied (oneDNN keeps its own packed copy)
-        self.rope = self.layers[0].rope  # the C forward's table (it runs single-table models only)
+        self.rope = next(iter(self.ropes.values()))  # the C forward's table (it runs single-table models only)
         self.act = ACTIVATIONS[c.hidden_act]
         # Rows of every GEMM are padded to this multiple (batch invariance; module doc).
         self.row_multiple = Linear.row_multiple
@@ -96,8 +96,10 @@ class DecoderLM(torch.nn.Module):
         self.aux_layers: tuple[int, ...] | None = None
         self.aux_hidden_states: torch.Tensor | None = None
 
-    def _rope_for(self, layer: int) -> RotaryTable:
+    def _rope_for(self, layer: int) -> RotaryTable | None:
         c = self.config
+        if layer in c.nope_layers:
+            return None
         theta, scaling = c.layer_rope(layer)
         key = (theta, repr(scaling))
         if key not in self.ropes:
@@ -130,6 +132,7 @@ class DecoderLM(torch.nn.Module):
             positions = F.pad(positions, (0, tp - t))
         x = self.embed_tokens(input_ids)
         rotations = {id(r): r.lookup(positions) for r in self.ropes.values()}
+        rotations[id(None)] = None  # a NoPE layer
         taps, tapped = self.aux_layers, {}
         self.aux_hidden_states = None
         for i, (lw, kv_cache) in enumerate(zip(self.layers, kv_caches)):
@@ -146,15 +149,14 @@ class DecoderLM(torch.nn.Module):
     def layer(self, lw: LayerWeights, x: torch.Tensor, rotation, md: AttentionMetadata,
               kv_cache: torch.Tensor | None) -> torch.Tensor:
         """One decoder layer on the residual stream ``x [Tp, hidden]``: ``rotation`` is the
-        layer's RoPE table looked up at the rows' positions, the attention goes through
+        layer's RoPE table looked up at the rows' positions (None: no RoPE), the attention goes through
         ``md.backend`` (the training forward passes a dense one). Returns the new stream."""
         tp, c = x.shape[0], self.config
         h, hk, d, q_size, kv_size = self.num_heads, self.num_kv_heads, self.head_dim, self.q_size, self.kv_size
-        cos, sin = rotation
         qkv = lw.qkv(self._norm(x, lw.attn_in_norm))
         v = qkv[:, q_size + kv_size:].view(tp, hk, d)
-        if c.qk_norm == "none":  # q and k heads rotated in one call
-            qk = lw.rope.apply(qkv[:, :q_size + kv_size].view(tp, h + hk, d), cos, sin)
+        if c.qk_norm == "none" and rotation is not None:  # q and k heads rotated in one call
+            qk = lw.rope.apply(qkv[:, :q_size + kv_size].view(tp, h + hk, d), *rotation)
             q, k = qk[:, :h], qk[:, h:]
         else:
             q, k = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
@@ -163,7 +165,8 @@ class DecoderLM(torch.nn.Module):
             q, k = q.reshape(tp, h, d), k.reshape(tp, hk, d)
             if c.qk_norm == "head":  # Qwen3, Gemma 3: over each head
                 q, k = self._norm(q, lw.q_norm), self._norm(k, lw.k_norm)
-            q, k = lw.rope.apply(q, cos, sin), lw.rope.apply(k, cos, sin)
+            if rotation is not None:  # None: a NoPE layer (SmolLM3)
+                q, k = lw.rope.apply(q, *rotation), lw.rope.apply(k, *rotation)
         backend = md.backend
         backend.write_kv(k, v, kv_cache, md)
         attn = backend.attend(q, kv_cache, md, lw.window)

@@ -54,7 +54,7 @@ class LayerWeights:
     q_norm: torch.Tensor | None = None  # [D] (qk_norm "head") or [H * D] ("proj")
     k_norm: torch.Tensor | None = None  # [D] or [Hk * D]
     window: int = 0              # sliding window (0: the whole context)
-    rope: RotaryTable | None = None
+    rope: RotaryTable | None = None  # None: a layer without RoPE
 
 
 def expected_shapes(config: ModelConfig, names) -> dict[str, tuple[int, ...]]:
