@@ -26,7 +26,7 @@ benches/RESULTS.md, "Acceptance by draft kind").
 What drafting costs: a drafter that runs a model (EAGLE-3's head, a draft model, the target's
 first layers) says so at start-up through
 ``probe_cost(k)``, the seconds one request's draft of k tokens takes, measured on throw-away
-state; the draft-length controller's cost model starts from it (``engine.worker.step_cost``)
+state; the draft-length controller's cost model starts from it (``engine.drafters.step_cost``)
 instead of learning the drafter's cost from scratch while it over-drafts. Free drafters (n-gram,
 suffix) return None.
 

@@ -49,7 +49,7 @@ position, so it drafts the next step where the repetition stops.
 Logits: the head's draft-vocabulary logits are scattered into the target vocabulary through
 ``d2t``; ids outside the draft vocabulary get ``OUTSIDE`` (finite, so a row the request's bans
 leave with only non-draft ids still has a token and is never taken for a request fault). Then the
-shared model-drafter sampling (``engine.worker.draft_sampling``): q for rejection sampling is the
+shared model-drafter sampling (``engine.drafters.draft_sampling``): q for rejection sampling is the
 head's own distribution.
 """
 
@@ -60,9 +60,9 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from tokenbudget.engine.drafters.draft_sampling import sample_drafts, wants_probs
+from tokenbudget.engine.drafters.eagle3_kv import HeadState, segment_attend
 from tokenbudget.engine.model.eagle3 import Eagle3Head
-from tokenbudget.engine.worker.draft_sampling import sample_drafts, wants_probs
-from tokenbudget.engine.worker.eagle3_kv import HeadState, segment_attend
 from tokenbudget.engine.worker.threads import intra_op_threads
 from tokenbudget.scheduler.drafts import draft_limit
 from tokenbudget.scheduler.request import Request

@@ -27,7 +27,7 @@ When the drafter's KV is thrown away (``num_draft_computed = 0``):
 * preemption (``request.num_preemptions`` changed): the request's blocks were freed and it was
   recomputed into new ones.
 
-Sampling: ``engine.worker.draft_sampling`` (shared with the EAGLE-3 drafter).
+Sampling: ``engine.drafters.draft_sampling`` (shared with the EAGLE-3 drafter).
 
 Transactions: ``propose`` records the drafter state of every request it touches; ``rollback``
 puts those records back (the drafter KV they describe was not overwritten: a step only writes
@@ -55,8 +55,8 @@ from types import SimpleNamespace
 
 import torch
 
-from tokenbudget.engine.worker.draft_runner import DraftRunner
-from tokenbudget.engine.worker.draft_sampling import sample_drafts, wants_probs
+from tokenbudget.engine.drafters.draft_runner import DraftRunner
+from tokenbudget.engine.drafters.draft_sampling import sample_drafts, wants_probs
 from tokenbudget.scheduler.drafts import draft_limit
 from tokenbudget.scheduler.request import Request
 from tokenbudget.spec.proposer import BaseProposer
@@ -136,7 +136,7 @@ class DraftModelProposer(BaseProposer):
         """Seconds a draft of ``num_tokens`` tokens costs the drafter for one request: a one-row
         catch-up and ``num_tokens - 1`` one-row forwards, each with its argmax, on throw-away KV
         in blocks 0.. (at start-up, where the controller's prior is timed, no request holds them;
-        ``engine.worker.step_cost`` writes the target's the same way)."""
+        ``engine.drafters.step_cost`` writes the target's the same way)."""
         runner = self.runner
         probe = SimpleNamespace(request_id="__draft_cost_probe__")
         blocks = list(range(-(-num_tokens // runner.block_size)))
