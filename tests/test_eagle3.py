@@ -89,11 +89,11 @@ def test_head_kv_matches_a_from_scratch_reference(dirs, stress) -> None:
     inner = proposer.propose
 
     def recording(requests, num_tokens):
-        drafts = inner(requests, num_tokens)
-        for r, d in zip(requests, drafts):
+        proposal = inner(requests, num_tokens)
+        for r, d in zip(requests, proposal.token_ids):
             if d:
                 seen.append((list(r.all_token_ids), d, proposer._state[r.request_id].last_logits.clone()))
-        return drafts
+        return proposal
 
     proposer.propose = recording
     prompts = [f"prompt number {i}: " + "ab" * (3 + 2 * i) for i in range(4)]
@@ -120,10 +120,10 @@ def test_n_greater_than_one_children_borrow_the_prompt_rows(dirs) -> None:
     inner = proposer.propose
 
     def recording(requests, num_tokens):
-        drafts = inner(requests, num_tokens)
-        seen.extend((list(r.all_token_ids), d) for r, d in zip(requests, drafts) if d)
+        proposal = inner(requests, num_tokens)
+        seen.extend((list(r.all_token_ids), d) for r, d in zip(requests, proposal.token_ids) if d)
         gaps.extend(st.n != st.next_pos for st in proposer._state.values())
-        return drafts
+        return proposal
 
     proposer.propose = recording
     out = llm.generate(["prompt number 7: " + "ab" * 20], greedy(16, n=3), use_tqdm=False)[0]
@@ -155,14 +155,14 @@ def test_sampled_requests(dirs) -> None:
     assert token_ids(llm, PROMPTS, seeded) == token_ids(engine(dirs["target"]), PROMPTS, seeded)
     proposer = llm.engine.speculator.proposer
     handed = []
-    inner = proposer.take_draft_probs
+    inner = proposer.propose
 
-    def recording():
-        probs = inner()
-        handed.extend(p for p in probs or [] if p is not None)
-        return probs
+    def recording(requests, num_tokens):
+        proposal = inner(requests, num_tokens)
+        handed.extend(p for p in proposal.probs or [] if p is not None)
+        return proposal
 
-    proposer.take_draft_probs = recording
+    proposer.propose = recording
     out = token_ids(llm, PROMPTS, SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True))
     assert all(len(t) == 16 for t in out)
     assert handed
@@ -274,9 +274,9 @@ def test_pending_tap_rows_are_capped(dirs, baseline, monkeypatch) -> None:
     inner = proposer.propose
 
     def recording(requests, num_tokens):
-        drafts = inner(requests, num_tokens)
+        proposal = inner(requests, num_tokens)
         kv_rows.extend((r.num_computed_tokens, proposer._state[r.request_id].n) for r in requests)
-        return drafts
+        return proposal
 
     proposer.propose = recording
     assert token_ids(llm, PROMPTS, greedy()) == baseline

@@ -59,7 +59,7 @@ from tokenbudget.engine.drafters.draft_runner import DraftRunner
 from tokenbudget.engine.drafters.draft_sampling import sample_drafts, wants_probs
 from tokenbudget.scheduler.drafts import draft_limit
 from tokenbudget.scheduler.request import Request
-from tokenbudget.spec.proposer import BaseProposer
+from tokenbudget.spec.proposer import BaseProposer, Proposal
 
 
 @dataclass(slots=True)
@@ -81,7 +81,6 @@ class DraftModelProposer(BaseProposer):
         self.max_batch_tokens = max_batch_tokens
         self._state: dict[str, _DraftState] = {}
         self._undo: dict[str, tuple[int, int] | None] = {}  # this step's touched states, as they were
-        self._probs: list[torch.Tensor | None] | None = None
         # Counters (for tests and benchmarks): tokens the drafter ran, split by kind.
         self.num_catchup_tokens = 0
         self.num_draft_forward_tokens = 0
@@ -108,7 +107,9 @@ class DraftModelProposer(BaseProposer):
         return cls(runner, scheduler.kv, max_model_len, sched_cfg.max_num_batched_tokens)
 
     # ---- Proposer interface ----
-    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
+    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> Proposal:
+        """The drafts, with q ``[len(drafts), V]`` float32 for the requests that hand it over
+        (``draft_sampling.wants_probs``), None for the others (greedy, seeded, no drafts)."""
         if len(requests) != len(num_tokens):
             raise ValueError(f"num_tokens has {len(num_tokens)} entries for {len(requests)} requests")
         drafts: list[list[int]] = [[] for _ in requests]
@@ -129,8 +130,7 @@ class DraftModelProposer(BaseProposer):
                 sample_drafts(self.runner.forward(chunks), requests, rows, drafts, probs)
             for i in active:
                 self._state[requests[i].request_id].num_computed = requests[i].num_tokens + ks[i] - 1
-        self._probs = [torch.stack(p) if p else None for p in probs]
-        return drafts
+        return Proposal(drafts, [torch.stack(p) if p else None for p in probs])
 
     def probe_cost(self, num_tokens: int) -> float:
         """Seconds a draft of ``num_tokens`` tokens costs the drafter for one request: a one-row
@@ -146,12 +146,6 @@ class DraftModelProposer(BaseProposer):
                 runner.forward([runner.chunk(probe, pos, [0], blocks, True)]).argmax(dim=-1).tolist()
         return time.perf_counter() - start
 
-    def take_draft_probs(self) -> list[torch.Tensor | None] | None:
-        """Per request of the last ``propose``: q ``[len(drafts), V]`` float32, or None (greedy
-        request, or no drafts). Handed over once."""
-        probs, self._probs = self._probs, None
-        return probs
-
     def on_finished(self, request: Request) -> None:
         self._state.pop(request.request_id, None)
 
@@ -165,7 +159,6 @@ class DraftModelProposer(BaseProposer):
             else:
                 self._state[rid] = _DraftState(*saved)
         self._undo.clear()
-        self._probs = None
 
     @property
     def num_tracked_requests(self) -> int:
