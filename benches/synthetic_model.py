@@ -40,7 +40,7 @@ from tokenbudget.engine.worker.model_runner import ModelRunner
 from tokenbudget.engine.worker.sampler import Sampler
 from tokenbudget.scheduler.config import SchedulerConfig
 from tokenbudget.scheduler.scheduler import Scheduler
-from tokenbudget.spec.proposer import BaseProposer
+from tokenbudget.spec.proposer import BaseProposer, Proposal
 from tokenbudget.spec.speculator import Speculator
 
 _COMMON = dict(architecture="llama", rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192)
@@ -238,7 +238,7 @@ class OracleProposer(BaseProposer):
     def set_references(self, references: dict[str, list[int]]) -> None:
         self.references = dict(references)
 
-    def propose(self, requests: Sequence, num_tokens: Sequence[int]) -> list[list[int]]:
+    def propose(self, requests: Sequence, num_tokens: Sequence[int]) -> Proposal:
         out = []
         for r, k in zip(requests, num_tokens):
             ref = self.references.get(r.request_id)
@@ -249,4 +249,4 @@ class OracleProposer(BaseProposer):
             truth = ref[n:n + k]
             drafts = [t if self.rng.random() < self.acceptance else (t + 1) % self.vocab_size for t in truth]
             out.append(drafts)
-        return out
+        return Proposal(out)

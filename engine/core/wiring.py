@@ -139,11 +139,11 @@ def _wrap_in_cuda_graphs(runner: ModelRunner, kv_caches, spec_config, max_model_
 
 def _build_speculator(spec_config: SpeculativeConfig, target: TargetModel, scheduler: Scheduler,
                       runner: ModelRunner) -> Speculator:
-    from tokenbudget.engine.core.spec_factory import build_controller, build_proposer
+    from tokenbudget.engine.drafters.factory import build_controller, build_proposer
     proposer = build_proposer(spec_config, scheduler.config.max_model_len, target=target, scheduler=scheduler,
                               runner=runner)
     cost_model = None
     if spec_config.is_adaptive:
-        from tokenbudget.engine.worker.step_cost import measure_runner_costs
+        from tokenbudget.engine.drafters.step_cost import measure_runner_costs
         cost_model = measure_runner_costs(runner, scheduler.config, drafter=proposer)
     return Speculator(spec_config, proposer, build_controller(spec_config, cost_model))

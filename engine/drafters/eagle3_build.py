@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import os
 
+from tokenbudget.engine.drafters.eagle3_proposer import Eagle3Proposer
 from tokenbudget.engine.model.eagle3 import load_eagle3
 from tokenbudget.engine.model.eagle3_cpu import Eagle3CpuForward, quantize_head
 from tokenbudget.engine.model.rope import RotaryTable
-from tokenbudget.engine.worker.eagle3_proposer import Eagle3Proposer
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 SHIPPED_HEAD = "smollm2-135m-instruct-eagle3"
