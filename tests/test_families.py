@@ -25,7 +25,7 @@ from tokenbudget.engine.loader import load_model_files
 from tokenbudget.engine.model import build_model
 
 from model_families import FAMILIES, greedy_reference, make_family_dir
-from test_llama_vs_hf import chunked_logits, make_runner, random_tables
+from paged_forward import chunked_logits, make_runner, random_tables
 
 PROMPTS = [[(7 * i) % 250 for i in range(40)],  # long enough for the sliding windows
            [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4],
