@@ -47,6 +47,16 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                                 sliding_window=8)),
     "ministral": ("ministral", dict(head_dim=16, sliding_window=8, num_hidden_layers=3,
                                     layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
+    "qwen2_moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                    shared_expert_intermediate_size=64, decoder_sparse_step=1,
+                                    mlp_only_layers=[1], num_hidden_layers=3)),
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48, head_dim=16,
+                                    norm_topk_prob=True)),
+    "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
+                                rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                                                 "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "truncate": False})),
     "granite": ("granite", dict(embedding_multiplier=6.0, residual_multiplier=0.4, attention_multiplier=0.2,
                                 logits_scaling=3.0, attention_bias=True, mlp_bias=True)),
 }
@@ -69,6 +79,8 @@ def make_family_model(family: str, seed: int = 0, **overrides):
                 p.copy_(torch.randn_like(p) * 0.2 + (0.0 if model_type.startswith("gemma") else 1.0))
             elif name.endswith("bias"):
                 p.copy_(torch.randn_like(p) * 0.1)
+            elif name.endswith("sinks"):
+                p.copy_(torch.randn_like(p))
     return model, cfg
 
 

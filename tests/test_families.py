@@ -114,3 +114,45 @@ def test_gemma3_image_text_checkpoint_runs_its_language_model(tmp_path) -> None:
     assert not any("vision" in k or "projector" in k for k in loaded.state_dict)
     llm = LLM(path, dtype="float32", num_threads=1, kv_cache_memory_bytes=4 << 20)
     assert _generate(llm)[:2] == [greedy_reference(hf, p, MAX_TOKENS)[0] for p in PROMPTS[:2]]
+
+
+def test_mxfp4_experts_dequantize_as_transformers_does(tmp_path) -> None:
+    """gpt-oss's published checkpoints keep their experts in MXFP4 (``*_blocks`` / ``*_scales``):
+    they load as transformers dequantizes them, and the model decodes as transformers does on the
+    dequantized weights."""
+    path = make_family_dir(tmp_path / "gpt_oss", "gpt_oss")
+    import safetensors.torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from tokenbudget.engine.loader.mxfp4 import dequantize_mxfp4
+    gen = torch.Generator().manual_seed(0)
+    sd = safetensors.torch.load_file(f"{path}/model.safetensors")
+    for key in [k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, inp, out = sd[key].shape
+        blocks = torch.randint(0, 256, (e, out, inp // 32, 16), dtype=torch.uint8, generator=gen)
+        scales = torch.randint(120, 128, (e, out, inp // 32), dtype=torch.uint8, generator=gen)
+        want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        assert torch.equal(dequantize_mxfp4(blocks, scales), want)
+        del sd[key]
+        sd[key + "_blocks"], sd[key + "_scales"] = blocks, scales
+        sd[key + "_reference"] = want
+    packed = tmp_path / "mxfp4"
+    import shutil
+    shutil.copytree(path, packed)
+    safetensors.torch.save_file({k: v for k, v in sd.items() if not k.endswith("_reference")},
+                                f"{packed}/model.safetensors")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for key in [k for k in sd if k.endswith("_reference")]:
+            hf.get_parameter(key[:-len("_reference")]).copy_(sd[key])
+    llm = LLM(str(packed), dtype="float32", num_threads=1, kv_cache_memory_bytes=4 << 20)
+    assert _generate(llm)[:1] == [greedy_reference(hf, PROMPTS[0], MAX_TOKENS)[0]]
+
+
+def test_parameter_counts_match_transformers(family) -> None:
+    """The start-up line's parameter count is the checkpoint's (an MoE's active count: its top k)."""
+    name, path, hf = family
+    loaded = load_model_files(path, torch.float32)
+    total, active = build_model(loaded.config, loaded.state_dict).num_parameters
+    assert total == sum(p.numel() for p in hf.parameters()), name
+    assert (active < total) == bool(loaded.config.num_experts), name

@@ -103,9 +103,12 @@ def wire_engine(config: EngineConfig, target: TargetModel, spec_config: Speculat
     gc.freeze()  # start-up objects (weights' Python wrappers, tokenizer) leave the GC's scans
     rss = resident_memory_bytes()
     kernels = kernels_summary(model) if device.type == "cpu" else device.type
-    logger.info("tokenbudget: %s on %s (%s, quantization=%s, kernels: %s, %d threads), max_model_len=%d, %d KV "
-                "blocks of %d tokens (%.2f GiB), speculation=%s, RSS %s", target.source, device,
-                str(dtype).removeprefix("torch."), target.quantization, kernels, threads, max_model_len, num_blocks,
+    total, active = model.num_parameters
+    params = f"{total / 1e6:.1f}M params" + (f", {active / 1e6:.1f}M active" if active != total else "")
+    logger.info("tokenbudget: %s (%s, %s) on %s (%s, quantization=%s, kernels: %s, %d threads), max_model_len=%d, "
+                "%d KV blocks of %d tokens (%.2f GiB), speculation=%s, RSS %s", target.source, mcfg.architecture,
+                params, device, str(dtype).removeprefix("torch."), target.quantization, kernels, threads,
+                max_model_len, num_blocks,
                 config.block_size, kv_bytes / 2**30,
                 spec_config.method if spec_config else "off", f"{rss / 2**30:.2f} GiB" if rss else "n/a")
     return WiredEngine(core, target, spec_config)

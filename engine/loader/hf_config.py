@@ -169,6 +169,43 @@ def _ministral(cfg: dict[str, Any]) -> dict[str, Any]:
     return dict(_common(cfg), sliding_window=window, layer_types=types if window else None)
 
 
+def _experts(cfg: dict[str, Any], norm_default: bool) -> dict[str, Any]:
+    """The MoE fields shared by the Mixtral/Qwen-MoE configs: expert count, top k, which layers
+    have experts (``mlp_only_layers`` and ``decoder_sparse_step``)."""
+    n, e = int(cfg["num_hidden_layers"]), int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    dense, step = set(cfg.get("mlp_only_layers") or []), int(cfg.get("decoder_sparse_step") or 1)
+    layers = tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)
+    return dict(num_experts=e, num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", norm_default)),
+                moe_layers=None if len(layers) == n else layers)
+
+
+def _mixtral(cfg: dict[str, Any]) -> dict[str, Any]:
+    return dict(_common(cfg, eps_default=1e-5), sliding_window=cfg.get("sliding_window"), **_experts(cfg, True))
+
+
+def _qwen2_moe(cfg: dict[str, Any]) -> dict[str, Any]:
+    return dict(_qwen(cfg, bias=bool(cfg.get("qkv_bias", True))), **_experts(cfg, False),
+                shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0))
+
+
+def _qwen3_moe(cfg: dict[str, Any]) -> dict[str, Any]:
+    return dict(_qwen3(cfg), **_experts(cfg, False))
+
+
+def _gpt_oss(cfg: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss: attention sinks and biases, alternating sliding layers, experts routed by the top
+    k logits then a softmax over them, clamped SwiGLU with biases (``engine/model/moe.py``)."""
+    bias = bool(cfg.get("attention_bias", True))
+    return dict(_common(cfg, eps_default=1e-5), attention_bias=bias, o_proj_bias=bias, attention_sinks=True,
+                sliding_window=cfg.get("sliding_window", 128),
+                layer_types=_layer_types(cfg, lambda i: "sliding_attention" if (i + 1) % 2 else "full_attention"),
+                num_experts=int(cfg["num_local_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                moe_router="topk_softmax", hidden_act="swiglu_oai",
+                swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+
+
 def _olmo2(cfg: dict[str, Any]) -> dict[str, Any]:
     bias = bool(cfg.get("attention_bias", False))
     return dict(_common(cfg, eps_default=1e-5), norm_layout="post", qk_norm="proj", attention_bias=bias,
@@ -214,7 +251,8 @@ def _text_part(cfg: dict[str, Any]) -> dict[str, Any]:
 FAMILIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3, "gemma2": _gemma2,
     "gemma3_text": _gemma3, "phi3": _phi3, "olmo2": _olmo2, "granite": _granite, "smollm3": _smollm3,
-    "ministral": _ministral,
+    "ministral": _ministral, "mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe,
+    "gpt_oss": _gpt_oss,
 }
 SUPPORTED_HF_ARCHS = (*FAMILIES, *TEXT_MODELS)
 

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from tokenbudget.engine.loader.hf_config import hf_config_to_model_config, text_tensor_name
+from tokenbudget.engine.loader.mxfp4 import dequantize_state_dict
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.text.tokenizer import Tokenizer
 
@@ -65,6 +66,7 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32
     config = hf_config_to_model_config(cfg, _read_json(os.path.join(path, "generation_config.json")))
     state_dict = load_safetensors_dir(path, dtype, rename=functools.partial(text_tensor_name, cfg.get("model_type")))
     state_dict = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+    dequantize_state_dict(state_dict, dtype)  # gpt-oss's MXFP4 experts
     if "lm_head.weight" not in state_dict and not config.tie_word_embeddings:
         import msgspec
 

@@ -20,7 +20,8 @@ import msgspec
 
 from tokenbudget.kernels.attention.base import AttentionSpec
 
-HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "swiglu_oai")
+MOE_ROUTERS = ("softmax_topk", "topk_softmax")
 QK_NORMS = ("none", "head", "proj")
 NORM_LAYOUTS = ("pre", "sandwich", "post")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -67,6 +68,17 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     sliding_rope_theta: float | None = None
     sliding_rope_scaling: dict[str, Any] | None = None
     nope_layers: tuple[int, ...] = ()  # layers that apply no RoPE at all (SmolLM3's NoPE layers)
+    attention_sinks: bool = False  # a learned per-head logit in each softmax's denominator (gpt-oss)
+    # ---- mixture of experts (engine/model/moe.py); num_experts 0: a dense model ------------------
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # an expert's intermediate size (0: intermediate_size)
+    moe_layers: tuple[int, ...] | None = None  # the layers with experts (None: every layer)
+    moe_router: str = "softmax_topk"  # softmax_topk (Mixtral, Qwen-MoE) | topk_softmax (gpt-oss)
+    norm_topk_prob: bool = True  # renormalise the top k probabilities to sum 1 (softmax_topk)
+    shared_expert_intermediate_size: int = 0  # a sigmoid-gated shared expert beside them (Qwen2-MoE)
+    swiglu_alpha: float = 1.702  # gpt-oss's clamped SwiGLU (hidden_act swiglu_oai)
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -100,6 +112,15 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"layer_types {bad} not supported (supported: {', '.join(LAYER_TYPES)})")
         if any(not 0 <= i < self.num_hidden_layers for i in self.nope_layers):
             raise ValueError(f"nope_layers {list(self.nope_layers)} must be layer ids below {self.num_hidden_layers}")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok!r} must be in 1..num_experts="
+                                 f"{self.num_experts}")
+            if self.moe_router not in MOE_ROUTERS:
+                raise ValueError(f"moe_router {self.moe_router!r} is not supported "
+                                 f"(supported: {', '.join(MOE_ROUTERS)})")
+            if self.moe_layers is not None and any(not 0 <= i < self.num_hidden_layers for i in self.moe_layers):
+                raise ValueError(f"moe_layers {list(self.moe_layers)} must be layer ids below {self.num_hidden_layers}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window!r}")
 
@@ -118,6 +139,13 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         if isinstance(self.eos_token_id, int):
             return [self.eos_token_id]
         return list(self.eos_token_id)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return bool(self.num_experts) and (self.moe_layers is None or layer in self.moe_layers)
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
 
     def layer_window(self, layer: int) -> int:
         """Keys a query of ``layer`` sees, itself included (0: all of its context). A layer is
@@ -138,7 +166,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     def first_layers(self, n: int) -> ModelConfig:
         """This config cut to its first ``n`` layers (the self-drafter's)."""
         types = None if self.layer_types is None else self.layer_types[:n]
-        return msgspec.structs.replace(self, num_hidden_layers=n, layer_types=types,
+        moe = None if self.moe_layers is None else tuple(i for i in self.moe_layers if i < n)
+        return msgspec.structs.replace(self, num_hidden_layers=n, layer_types=types, moe_layers=moe,
                                        nope_layers=tuple(i for i in self.nope_layers if i < n))
 
     def attention_spec(self, block_size: int, dtype) -> AttentionSpec:
@@ -147,4 +176,5 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         windows = tuple(sorted({w for w in map(self.layer_window, range(self.num_hidden_layers)) if w}))
         return AttentionSpec(self.num_attention_heads, self.num_key_value_heads, self.resolved_head_dim,
                              block_size, dtype, scale=self.attention_scale,
-                             logits_soft_cap=self.attn_logit_softcapping, sliding_windows=windows)
+                             logits_soft_cap=self.attn_logit_softcapping, sliding_windows=windows,
+                             sinks=self.attention_sinks)

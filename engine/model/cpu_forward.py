@@ -84,6 +84,10 @@ def unsupported_switches(config) -> list[str]:
         out.append("per-layer RoPE")
     if c.nope_layers:
         out.append("NoPE layers")
+    if c.num_experts:
+        out.append("experts")
+    if c.attention_sinks:
+        out.append("attention sinks")
     return out
 
 

@@ -1,5 +1,6 @@
 """The decoder-only transformer every supported family runs on: Llama (and Llama 3.x, SmolLM2),
-Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3/4, OLMo 2, Granite, SmolLM3. One definition driven by the
+Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3/4, OLMo 2, Granite, SmolLM3, and the
+mixture-of-experts ones (Mixtral, Qwen2/3-MoE, gpt-oss: ``engine/model/moe.py``). One definition driven by the
 config (``engine/model/config.py``): each family is the Llama layer with a few switches on
 (q/k norms, norms after attention and MLP, GeGLU, embedding/residual/logit multipliers, logit
 soft-capping, sliding-window layers with their own RoPE, partial rotary, biases).
@@ -52,6 +53,7 @@ import torch.nn.functional as F
 from tokenbudget.engine.model.aux_states import check_aux_layers
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.model.layers import ACTIVATIONS, Linear, gated_mlp, pad_rows, rms_norm
+from tokenbudget.engine.model.moe import MoEBlock
 from tokenbudget.engine.model.rope import RotaryTable
 from tokenbudget.engine.model.weights import LayerWeights, WeightReader
 from tokenbudget.kernels.attention.base import AttentionMetadata
@@ -84,8 +86,10 @@ class DecoderLM(torch.nn.Module):
             self.lm_head = Linear(w.get("lm_head.weight"))
         else:
             self.lm_head = Linear(self.embed)  # tied (oneDNN keeps its own packed copy)
+        self.num_parameters = parameter_counts(self)  # (total, active per token), before any quantization
         self.rope = next(iter(self.ropes.values()))  # the C forward's table (it runs single-table models only)
-        self.act = ACTIVATIONS[c.hidden_act]
+        self.act = ACTIVATIONS.get(c.hidden_act, F.silu)  # swiglu_oai: the experts' own (moe.py)
+        self.moe = MoEBlock(c, self.act) if c.num_experts else None
         # Rows of every GEMM are padded to this multiple (batch invariance; module doc).
         self.row_multiple = Linear.row_multiple
         self.q_size = self.num_heads * self.head_dim
@@ -169,9 +173,10 @@ class DecoderLM(torch.nn.Module):
                 q, k = lw.rope.apply(q, *rotation), lw.rope.apply(k, *rotation)
         backend = md.backend
         backend.write_kv(k, v, kv_cache, md)
-        attn = backend.attend(q, kv_cache, md, lw.window)
+        attn = backend.attend(q, kv_cache, md, lw.window, lw.sinks)
         x = self._residual(x, self._norm(lw.o(attn.reshape(tp, q_size)), lw.attn_out_norm))
-        mlp = gated_mlp(self._norm(x, lw.mlp_in_norm), lw.gate_up, lw.down, self.act)
+        h = self._norm(x, lw.mlp_in_norm)
+        mlp = self.moe(lw.moe, h) if lw.moe is not None else gated_mlp(h, lw.gate_up, lw.down, self.act)
         return self._residual(x, self._norm(mlp, lw.mlp_out_norm))
 
     def _residual(self, x: torch.Tensor, block_out: torch.Tensor) -> torch.Tensor:
@@ -188,6 +193,33 @@ class DecoderLM(torch.nn.Module):
             hidden = F.pad(hidden, (0, 0, 0, sp - s))
         logits = self.lm_head.fp32_out(hidden.contiguous())[:s]
         return finish_logits(logits, self.config)
+
+
+def parameter_counts(model: DecoderLM) -> tuple[int, int]:
+    """``(total, active per token)`` parameters of a built model (a tied head counted once): they
+    differ for an MoE model, whose tokens run their top k of num_experts experts."""
+    def size(*items) -> int:
+        n = 0
+        for x in items:
+            if isinstance(x, torch.Tensor):
+                n += x.numel()
+            elif x is not None:  # a Linear
+                n += x.weight.numel() + (0 if x.bias is None else x.bias.numel())
+        return n
+
+    c = model.config
+    total = size(model.embed, model.norm) + (0 if model.lm_head.weight is model.embed else size(model.lm_head))
+    active = total
+    for lw in model.layers:
+        dense = size(lw.qkv, lw.o, lw.gate_up, lw.down, lw.attn_in_norm, lw.attn_out_norm, lw.mlp_in_norm,
+                     lw.mlp_out_norm, lw.q_norm, lw.k_norm, lw.sinks)
+        total, active = total + dense, active + dense
+        if (m := lw.moe) is not None:
+            shared = size(m.router, m.shared_gate_up, m.shared_down, m.shared_gate)
+            experts = [size(g, d) for g, d in zip(m.gate_up, m.down)]
+            total += shared + sum(experts)
+            active += shared + c.num_experts_per_tok * max(experts)
+    return total, active
 
 
 def finish_logits(logits: torch.Tensor, config: ModelConfig) -> torch.Tensor:

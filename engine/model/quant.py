@@ -228,7 +228,7 @@ def quantize_model(model, mode: str):
         return QuantLinear.from_float(lin.weight, m, lin.bias)
 
     for lw in model.layers:
-        lw.qkv, lw.o, lw.gate_up, lw.down = q(lw.qkv), q(lw.o), q(lw.gate_up), q(lw.down)
+        lw.map_linears(q)
     model.lm_head = q(model.lm_head, LM_HEAD_MODE)  # (a tied head reads the float table first)
     model.embed = Q8Embedding.exact_from(model.embed) or model.embed
     model.quantization = mode

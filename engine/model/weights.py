@@ -27,6 +27,7 @@ import torch
 
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.model.layers import Linear
+from tokenbudget.engine.model.moe import MoEWeights
 from tokenbudget.engine.model.rope import RotaryTable
 
 # role -> the HF norm that fills it, per norm_layout (None: the layout has no such norm)
@@ -45,8 +46,10 @@ class LayerWeights:
 
     qkv: Linear                  # [(H + 2 Hk) * D, hidden] (+ bias)
     o: Linear                    # [hidden, H * D]
-    gate_up: Linear              # [2 I, hidden]
-    down: Linear                 # [hidden, I]
+    gate_up: Linear | None = None  # [2 I, hidden]; None in an MoE layer
+    down: Linear | None = None     # [hidden, I]
+    moe: MoEWeights | None = None  # an MoE layer's router and experts
+    sinks: torch.Tensor | None = None  # [H] fp32 attention-sink logits (gpt-oss)
     attn_in_norm: torch.Tensor | None = None   # on the attention's input (pre, sandwich)
     attn_out_norm: torch.Tensor | None = None  # on the attention's output (sandwich, post)
     mlp_in_norm: torch.Tensor | None = None
@@ -55,6 +58,18 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None  # [D] or [Hk * D]
     window: int = 0              # sliding window (0: the whole context)
     rope: RotaryTable | None = None  # None: a layer without RoPE
+
+    def map_linears(self, fn) -> None:
+        """Replace every GEMM's ``Linear`` by ``fn(linear)`` (quantization, deterministic mode,
+        training), the experts' included; MoE routers stay as they are: their top-k choice is
+        what the model is, so they keep the checkpoint's float weights."""
+        self.qkv, self.o = fn(self.qkv), fn(self.o)
+        if self.gate_up is not None:
+            self.gate_up, self.down = fn(self.gate_up), fn(self.down)
+        if (m := self.moe) is not None:
+            m.gate_up, m.down = [fn(x) for x in m.gate_up], [fn(x) for x in m.down]
+            if m.shared_gate_up is not None:
+                m.shared_gate_up, m.shared_down = fn(m.shared_gate_up), fn(m.shared_down)
 
 
 def expected_shapes(config: ModelConfig, names) -> dict[str, tuple[int, ...]]:
@@ -76,19 +91,69 @@ def expected_shapes(config: ModelConfig, names) -> dict[str, tuple[int, ...]]:
         out[p + "self_attn.o_proj.weight"] = (hid, h * d)
         if c.o_proj_bias or p + "self_attn.o_proj.bias" in names:
             out[p + "self_attn.o_proj.bias"] = (hid,)
-        mlp = {"gate_up": 2 * inter} if p + "mlp.gate_up_proj.weight" in names else {"gate": inter, "up": inter}
-        for n, rows in mlp.items():
-            out[f"{p}mlp.{n}_proj.weight"] = (rows, hid)
-            if c.mlp_bias or f"{p}mlp.{n}_proj.bias" in names:
-                out[f"{p}mlp.{n}_proj.bias"] = (rows,)
-        out[p + "mlp.down_proj.weight"] = (hid, inter)
-        if c.mlp_bias or p + "mlp.down_proj.bias" in names:
-            out[p + "mlp.down_proj.bias"] = (hid,)
+        if c.is_moe_layer(i):
+            out.update(_moe_shapes(c, p, names))
+        else:
+            out.update(_mlp_shapes(c, p + "mlp.", names, inter))
+        if c.attention_sinks:
+            out[p + "self_attn.sinks"] = (h,)
         for hf in _NORM_ROLES[c.norm_layout].values():
             out[f"{p}{hf}.weight"] = (hid,)
         if c.qk_norm != "none":
             out[p + "self_attn.q_norm.weight"] = (d,) if c.qk_norm == "head" else (h * d,)
             out[p + "self_attn.k_norm.weight"] = (d,) if c.qk_norm == "head" else (hk * d,)
+    return out
+
+
+def _mlp_shapes(c: ModelConfig, m: str, names, inter: int) -> dict[str, tuple[int, ...]]:
+    """A gated MLP under prefix ``m``: fused ``gate_up_proj`` or ``gate_proj`` + ``up_proj``, ``down_proj``."""
+    hid, out = c.hidden_size, {}
+    parts = {"gate_up": 2 * inter} if m + "gate_up_proj.weight" in names else {"gate": inter, "up": inter}
+    for n, rows in parts.items():
+        out[f"{m}{n}_proj.weight"] = (rows, hid)
+        if c.mlp_bias or f"{m}{n}_proj.bias" in names:
+            out[f"{m}{n}_proj.bias"] = (rows,)
+    out[m + "down_proj.weight"] = (hid, inter)
+    if c.mlp_bias or m + "down_proj.bias" in names:
+        out[m + "down_proj.bias"] = (hid,)
+    return out
+
+
+def moe_layout(config: ModelConfig, prefix: str, names) -> str:
+    """How a checkpoint stores layer ``prefix``'s experts: ``mixtral`` (``block_sparse_moe.experts.
+    {e}.w1/w2/w3``), ``stacked`` (gpt-oss: ``mlp.experts.gate_up_proj [E, hidden, 2 I]`` with gate
+    and up interleaved, ``down_proj [E, I, hidden]``, biases), or ``per_expert`` (Qwen-MoE:
+    ``mlp.experts.{e}.gate_proj/up_proj/down_proj``)."""
+    if prefix + "block_sparse_moe.gate.weight" in names:
+        return "mixtral"
+    if prefix + "mlp.experts.gate_up_proj" in names:
+        return "stacked"
+    return "per_expert"
+
+
+def _moe_shapes(c: ModelConfig, p: str, names) -> dict[str, tuple[int, ...]]:
+    e, hid, inter = c.num_experts, c.hidden_size, c.expert_intermediate_size
+    layout = moe_layout(c, p, names)
+    if layout == "mixtral":
+        out = {p + "block_sparse_moe.gate.weight": (e, hid)}
+        for x in range(e):
+            q = f"{p}block_sparse_moe.experts.{x}."
+            out.update({q + "w1.weight": (inter, hid), q + "w3.weight": (inter, hid), q + "w2.weight": (hid, inter)})
+        return out
+    router = p + ("mlp.router." if p + "mlp.router.weight" in names else "mlp.gate.")
+    out = {router + "weight": (e, hid)}
+    if router + "bias" in names:
+        out[router + "bias"] = (e,)
+    if layout == "stacked":
+        x = p + "mlp.experts."
+        out.update({x + "gate_up_proj": (e, hid, 2 * inter), x + "down_proj": (e, inter, hid)})
+        out.update({x + "gate_up_proj_bias": (e, 2 * inter), x + "down_proj_bias": (e, hid)})
+        return out
+    for x in range(e):
+        out.update(_mlp_shapes(c, f"{p}mlp.experts.{x}.", names, inter))
+    if c.shared_expert_intermediate_size:
+        out.update(_mlp_shapes(c, p + "mlp.shared_expert.", names, c.shared_expert_intermediate_size))
+        out[p + "mlp.shared_expert_gate.weight"] = (1, hid)
     return out
 
 
@@ -156,17 +221,49 @@ class WeightReader:
             return None
         return torch.cat([self.get(prefix + n + suffix) for n in parts])
 
+    def mlp(self, m: str) -> tuple[Linear, Linear]:
+        """The gated MLP under prefix ``m``: (fused gate/up, down)."""
+        gate_up = (m, "gate_up_proj", ("gate_proj", "up_proj"))
+        return (Linear(self.fused(*gate_up, ".weight"), self.fused(*gate_up, ".bias")),
+                Linear(self.get(m + "down_proj.weight"), self.maybe(m + "down_proj.bias")))
+
+    def moe(self, p: str) -> MoEWeights:
+        c = self.config
+        layout = moe_layout(c, p, self.names)
+        if layout == "mixtral":
+            q = p + "block_sparse_moe."
+            router = Linear(self.get(q + "gate.weight"))
+            gate_up = [Linear(torch.cat([self.get(f"{q}experts.{e}.w1.weight"), self.get(f"{q}experts.{e}.w3.weight")]))
+                       for e in range(c.num_experts)]
+            down = [Linear(self.get(f"{q}experts.{e}.w2.weight")) for e in range(c.num_experts)]
+            return MoEWeights(router, gate_up, down)
+        r = p + ("mlp.router." if p + "mlp.router.weight" in self.names else "mlp.gate.")
+        router = Linear(self.get(r + "weight"), self.maybe(r + "bias"))
+        if layout == "stacked":  # gpt-oss: input-major, gate and up interleaved (columns 0::2, 1::2)
+            x = p + "mlp.experts."
+            gu, gub = self.get(x + "gate_up_proj"), self.get(x + "gate_up_proj_bias")
+            dn, dnb = self.get(x + "down_proj"), self.get(x + "down_proj_bias")
+            gate_up = [Linear(torch.cat([gu[e, :, 0::2].t(), gu[e, :, 1::2].t()]).contiguous(),
+                              torch.cat([gub[e, 0::2], gub[e, 1::2]]).contiguous()) for e in range(c.num_experts)]
+            down = [Linear(dn[e].t().contiguous(), dnb[e].contiguous()) for e in range(c.num_experts)]
+            return MoEWeights(router, gate_up, down)
+        experts = [self.mlp(f"{p}mlp.experts.{e}.") for e in range(c.num_experts)]
+        shared = self.mlp(p + "mlp.shared_expert.") if c.shared_expert_intermediate_size else (None, None)
+        gate = Linear(self.get(p + "mlp.shared_expert_gate.weight")) if c.shared_expert_intermediate_size else None
+        return MoEWeights(router, [g for g, _ in experts], [d for _, d in experts], *shared, gate)
+
     def layer(self, i: int, window: int, rope: RotaryTable) -> LayerWeights:
         p = f"model.layers.{i}."
-        a, m = p + "self_attn.", p + "mlp."
+        a = p + "self_attn."
         qkv = (a, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
-        gate_up = (m, "gate_up_proj", ("gate_proj", "up_proj"))
         norms = {role: self.norm(f"{p}{hf}.weight") for role, hf in _NORM_ROLES[self.config.norm_layout].items()}
+        moe = self.moe(p) if self.config.is_moe_layer(i) else None
+        gate_up, down = self.mlp(p + "mlp.") if moe is None else (None, None)
         return LayerWeights(
             qkv=Linear(self.fused(*qkv, ".weight"), self.fused(*qkv, ".bias")),
             o=Linear(self.get(a + "o_proj.weight"), self.maybe(a + "o_proj.bias")),
-            gate_up=Linear(self.fused(*gate_up, ".weight"), self.fused(*gate_up, ".bias")),
-            down=Linear(self.get(m + "down_proj.weight"), self.maybe(m + "down_proj.bias")),
+            gate_up=gate_up, down=down, moe=moe,
+            sinks=self._take(a + "sinks").float().to(self.device) if self.config.attention_sinks else None,
             q_norm=self.norm(a + "q_norm.weight") if self.config.qk_norm != "none" else None,
             k_norm=self.norm(a + "k_norm.weight") if self.config.qk_norm != "none" else None,
             window=window, rope=rope, **norms)

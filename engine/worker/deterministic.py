@@ -43,13 +43,16 @@ def apply_deterministic_mode(model, device: torch.device | str) -> bool:
         return False  # CPU: already batch-invariant without Triton
     from tokenbudget.kernels.rmsnorm_triton import rms_norm_batch_invariant
     model.rms_norm = rms_norm_batch_invariant
-    layers = list(model.layers)
-    for lw in layers:
-        for lin in (lw.qkv, lw.o, lw.gate_up, lw.down):
-            lin.invariant = True
+    linears = [model.lm_head]
+
+    def invariant(lin):
+        lin.invariant = True
+        linears.append(lin)
+        return lin
+    for lw in model.layers:
+        lw.map_linears(invariant)
     model.lm_head.invariant = True
-    logger.info("deterministic mode: batch-invariant matmul for %d linears and RMSNorm on %s",
-                4 * len(layers) + 1, device)
+    logger.info("deterministic mode: batch-invariant matmul for %d linears and RMSNorm on %s", len(linears), device)
     return True
 
 

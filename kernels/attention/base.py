@@ -43,6 +43,7 @@ class AttentionSpec:
     # the sliding windows some layers attend with (``attend(..., window=w)``), so a backend that
     # plans per step can plan each once; a window w: a query sees its last w keys, itself included
     sliding_windows: tuple[int, ...] = ()
+    sinks: bool = False  # layers pass per-head sink logits to ``attend`` (gpt-oss)
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_kv_heads", "head_dim", "block_size"):
@@ -110,11 +111,13 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor,
-               metadata: AttentionMetadata, window: int = 0) -> torch.Tensor:
+               metadata: AttentionMetadata, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``q [Tp, num_heads, head_dim]`` -> ``out [Tp, num_heads, head_dim]`` (padding rows 0).
         Must be called after ``write_kv`` of the same layer (the context includes the new tokens).
         ``window`` > 0 (one of ``spec.sliding_windows``): the query at position i sees keys
-        ``i - window + 1 .. i`` only (a sliding-window layer); 0: its whole context."""
+        ``i - window + 1 .. i`` only (a sliding-window layer); 0: its whole context. ``sinks``
+        (``[num_heads]`` fp32, with ``spec.sinks``): a logit per head that joins each softmax's
+        denominator and attends to nothing (gpt-oss's attention sinks)."""
 
 
 def check_metadata_inputs(qo_indptr: list[int], kv_lens: list[int],

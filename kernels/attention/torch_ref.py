@@ -182,16 +182,17 @@ class TorchRefBackend(AttentionBackend):
         flat.index_copy_(0, rows + self.spec.block_size, v[:n].to(kv_cache.dtype))
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor,
-               metadata: AttentionMetadata, window: int = 0) -> torch.Tensor:
+               metadata: AttentionMetadata, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         n = metadata.num_tokens
         out = torch.empty_like(q)
         out[n:].zero_()
         flat = _flat(kv_cache)
         for p in self._data(metadata).plans:
-            out[p.q_start:p.q_start + p.q_len] = self._attend_one(q, flat, p, window)
+            out[p.q_start:p.q_start + p.q_len] = self._attend_one(q, flat, p, window, sinks)
         return out
 
-    def _attend_one(self, q: torch.Tensor, flat: torch.Tensor, p: _ReqPlan, window: int) -> torch.Tensor:
+    def _attend_one(self, q: torch.Tensor, flat: torch.Tensor, p: _ReqPlan, window: int,
+                    sinks: torch.Tensor | None) -> torch.Tensor:
         hk, d, kv_len = self.spec.num_kv_heads, self.spec.head_dim, p.kv_len
         g = self.spec.num_heads // hk
         p.kbuf[:, :kv_len] = flat.index_select(0, p.k_rows).transpose(0, 1)
@@ -209,20 +210,26 @@ class TorchRefBackend(AttentionBackend):
                 bias = self._bias(t.r0, t.qbuf.shape[1], p.q_len, kv_len, p.kbuf.shape[1], window)
                 if t.biases is not None:
                     t.biases[window] = bias
-            o = self._rows(t.qbuf, k_t, v_tiles, bias, nt)
+            o = self._rows(t.qbuf, k_t, v_tiles, bias, nt, sinks)
             outs.append(o[:, :rows * g].view(hk, rows, g, d).permute(1, 0, 2, 3).reshape(rows, hk * g, d))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _rows(self, qg: torch.Tensor, k_t: torch.Tensor, v_tiles: torch.Tensor, bias: torch.Tensor,
-              nt: int) -> torch.Tensor:
+              nt: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``qg [Hk, M, D]`` -> ``[Hk, M, D]``: softmax(scale q k^T + bias) @ V, the denominator from
-        the ones column of V (same GEMM), key tiles summed in order. Every GEMM has 4 rows."""
+        the ones column of V (same GEMM), key tiles summed in order. Every GEMM has 4 rows. With
+        ``sinks`` each row's max and denominator also count its head's sink logit."""
         hk, m, d = qg.shape
         s = _bmm_row_blocks(qg, k_t).mul_(self.spec.softmax_scale)   # [Hk, M, np]
         if (cap := self.spec.logits_soft_cap) is not None:  # HF's order: scale, / cap, tanh, * cap, mask
             s = s.div_(cap).tanh_().mul_(cap)
         s = s.add_(bias)
-        s = s.sub_(s.amax(-1, keepdim=True)).exp_()
+        top = s.amax(-1, keepdim=True)
+        if sinks is not None:  # GEMM row j of kv head h is query head h * G + j % G
+            g = self.spec.num_heads // hk
+            sink = sinks.float().view(hk, g)[:, torch.arange(m, device=s.device) % g].unsqueeze(-1)  # [Hk, M, 1]
+            top = torch.maximum(top, sink)
+        s = s.sub_(top).exp_()
         if nt == 1:
             acc = _bmm_row_blocks(s, v_tiles)
         else:
@@ -231,7 +238,8 @@ class TorchRefBackend(AttentionBackend):
             acc = o[:, 0]
             for t in range(1, nt):
                 acc = acc + o[:, t]
-        return acc[..., :d] / acc[..., d:]
+        denom = acc[..., d:] if sinks is None else acc[..., d:] + (sink - top).exp()
+        return acc[..., :d] / denom
 
 
 def _bmm_row_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

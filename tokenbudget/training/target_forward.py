@@ -27,6 +27,7 @@ class _PlainLinear:
     prepacked op, which it does not), and nothing is packed."""
 
     __slots__ = ("weight", "bias")
+    row_multiple = 1  # training reads no bits across batches: no row padding
 
     def __init__(self, lin) -> None:
         self.weight, self.bias = lin.weight, lin.bias
@@ -53,7 +54,7 @@ class DenseCausalAttention(AttentionBackend):
     def write_kv(self, k, v, kv_cache, metadata) -> None:
         self.k, self.v = k, v
 
-    def attend(self, q, kv_cache, metadata, window: int = 0) -> torch.Tensor:
+    def attend(self, q, kv_cache, metadata, window: int = 0, sinks=None) -> torch.Tensor:
         s, (b, t) = self.spec, (self.b, self.t)
         rep = s.num_heads // s.num_kv_heads
 
@@ -65,12 +66,19 @@ class DenseCausalAttention(AttentionBackend):
         visible = i[None, :] <= i[:, None]
         if window:
             visible &= i[None, :] > i[:, None] - window
-        if s.logits_soft_cap is None:
+        if s.logits_soft_cap is None and sinks is None:
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible, scale=s.softmax_scale)
         else:
             scores = (qh @ kh.transpose(-1, -2)) * s.softmax_scale
-            scores = torch.tanh(scores / s.logits_soft_cap) * s.logits_soft_cap
-            out = scores.masked_fill(~visible, float("-inf")).softmax(-1).to(vh.dtype) @ vh
+            if s.logits_soft_cap is not None:
+                scores = torch.tanh(scores / s.logits_soft_cap) * s.logits_soft_cap
+            scores = scores.masked_fill(~visible, float("-inf"))
+            if sinks is not None:  # a per-head logit in each softmax's denominator, then dropped
+                sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(b, -1, t, 1)
+                probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+            else:
+                probs = scores.softmax(-1)
+            out = probs.to(vh.dtype) @ vh
         return out.transpose(1, 2).reshape(b * t, s.num_heads, s.head_dim)
 
 
@@ -88,7 +96,7 @@ class TapForward:
         self.config, self.taps, self.precision = config, tuple(taps), precision
         self.model = DecoderLM(config, {k: v.float() for k, v in state.items()})
         for lw in self.model.layers:
-            lw.qkv, lw.o, lw.gate_up, lw.down = map(_PlainLinear, (lw.qkv, lw.o, lw.gate_up, lw.down))
+            lw.map_linears(_PlainLinear)
         self.embed = self.model.embed
         self.lm_head = self.model.lm_head.weight
 
