@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -22,21 +23,20 @@ from tokenbudget.engine.loader.kv_shape import kv_elements_per_token
 from tokenbudget.engine.loader.model_checks import check_hf_model
 from tokenbudget.engine.loader.tensor_layouts import HF_LAYOUTS
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "granite")
+from model_families import FAMILIES, make_family_dir, make_gemma3_multimodal_dir
 
 
-def save_tiny(path, family: str = "llama") -> None:
-    """A tiny random ``family`` model (hidden 64, 4 heads of 16, 2 KV heads, FFN 96, 2 layers,
-    vocab 259) saved by transformers, with tokenizer files."""
+def save_tiny(path) -> None:
+    """A tiny random Llama (hidden 64, 4 heads of 16, 2 KV heads, FFN 96, 2 layers, vocab 259)
+    saved by transformers, with tokenizer files."""
     import transformers
 
     from model_helpers import write_tokenizer_files
-    cfg = transformers.AutoConfig.for_model(
-        family, vocab_size=259, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, bos_token_id=256, eos_token_id=257,
-        pad_token_id=258)
+    cfg = transformers.LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=128, bos_token_id=256, eos_token_id=257)
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     write_tokenizer_files(path)
 
 
@@ -58,7 +58,7 @@ def model_dir(llama_dir, tmp_path, monkeypatch):
 
     def boom(*args, **kwargs):
         raise AssertionError("a tensor was loaded before the directory was checked")
-    monkeypatch.setattr(hf_loader, "load_file", boom)
+    monkeypatch.setattr(hf_loader, "load_safetensors_dir", boom)
     return path
 
 
@@ -89,18 +89,27 @@ def refused(path, *fields: str) -> str:
     return message
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_each_family_saved_by_transformers_passes_and_a_wrong_head_count_fails(tmp_path, family):
-    save_tiny(tmp_path, family)
+@pytest.mark.parametrize("family", [*FAMILIES, "gemma3 image-text"])
+def test_each_family_saved_by_transformers_passes_and_a_wrong_kv_head_count_fails(tmp_path, family):
+    """Every supported family's tiny checkpoint (tests/model_families.py) passes the checks as
+    transformers saved it; with ``num_key_value_heads`` 4 instead of 2 it fails on a projection."""
+    if family == "gemma3 image-text":
+        make_gemma3_multimodal_dir(tmp_path)
+    else:
+        make_family_dir(tmp_path, family)
     with open(tmp_path / "config.json") as f:
         cfg = json.load(f)
     files = safetensors_files(str(tmp_path))
     dims = check_hf_model(str(tmp_path), cfg, None, files)
     assert (dims.hidden.value, dims.heads.value, dims.kv_heads.value, dims.head_dim.value) == (64, 4, 2, 16)
-    assert family in HF_LAYOUTS
+    assert (cfg.get("text_config") or cfg)["model_type"] in HF_LAYOUTS
+    if "text_config" in cfg:
+        cfg["text_config"]["num_key_value_heads"] = 4
+    else:
+        cfg["num_key_value_heads"] = 4
     with pytest.raises(ValueError, match="num_key_value_heads = 4") as exc:
-        check_hf_model(str(tmp_path), {**cfg, "num_key_value_heads": 4}, None, files)
-    assert "_proj.weight'" in str(exc.value)
+        check_hf_model(str(tmp_path), cfg, None, files)
+    assert re.search(r"'model\.layers\.0\.self_attn\.(k|qkv)_proj\.weight' is", str(exc.value)), str(exc.value)
 
 
 @pytest.mark.parametrize("changes,fields", [

@@ -6,7 +6,8 @@ dict with Hugging Face parameter names and layout (dequantized to ``dtype``), th
 runs only the header checks it starts with (``engine.loader.model_checks``). Every problem with
 the file's content is a ``ValueError`` whose message starts with the file's path. ``model=None`` means the
 default model (SmolLM2-135M-Instruct Q4_1 GGUF, fetched once into a cache; see
-``engine.loader.default_model``).
+``engine.loader.default_model``); a Hugging Face Hub id (``org/name``, ``org/name:Q8_0``,
+``org/name/file.gguf``) is fetched through huggingface_hub (``engine.loader.hub``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import TypeVar
 import torch
 
 from tokenbudget.engine.loader.default_model import default_model_path
+from tokenbudget.engine.loader.hub import resolve_model_path
 from tokenbudget.engine.loader.model_dims import ModelDims
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.text.tokenizer import Tokenizer
@@ -40,8 +42,9 @@ class LoadedModel:
 
 
 def load_model_files(model: str | os.PathLike[str] | None,
-                     dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a model from an HF directory, a ``.gguf`` file, or the default model (``None``).
+                     dtype: torch.dtype = torch.float32, revision: str | None = None) -> LoadedModel:
+    """Load a model from an HF directory, a ``.gguf`` file, a hub id (at ``revision``), or the
+    default model (``None``).
 
     Raises ``FileNotFoundError`` when ``model`` does not exist, ``ValueError`` naming the file
     for malformed, inconsistent or unsupported content (the checks of
@@ -50,24 +53,24 @@ def load_model_files(model: str | os.PathLike[str] | None,
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-    path = _resolve(model)
+    path = _resolve(model, revision)
     return _naming_the_file(path, _load, path, dtype)
 
 
-def check_model_files(model: str | os.PathLike[str] | None) -> ModelDims:
+def check_model_files(model: str | os.PathLike[str] | None, revision: str | None = None) -> ModelDims:
     """The checks ``load_model_files`` starts with, alone: the file's metadata (``config.json``)
     values and its tensor shapes, from headers (milliseconds; no weight is read; see
     ``engine.loader.model_checks``). Returns the model's sizes; raises as ``load_model_files``."""
-    path = _resolve(model)
+    path = _resolve(model, revision)
     return _naming_the_file(path, _check, path)
 
 
-def _resolve(model: str | os.PathLike[str] | None) -> str:
-    path = default_model_path() if model is None else os.path.expanduser(os.fspath(model))
+def _resolve(model: str | os.PathLike[str] | None, revision: str | None) -> str:
+    path = default_model_path() if model is None else resolve_model_path(os.fspath(model), revision)
     if not os.path.exists(path):
         raise FileNotFoundError(
-            f"model {path!r} not found: pass a .gguf file or a Hugging Face directory "
-            "(config.json + *.safetensors + tokenizer.json); hub names are not downloaded")
+            f"model {path!r} not found: pass a .gguf file, a Hugging Face directory "
+            "(config.json + *.safetensors + tokenizer.json) or a Hugging Face Hub id (org/name)")
     if not os.path.isdir(path) and not path.endswith(".gguf"):
         raise ValueError(f"{path}: not a .gguf file; pass a .gguf file or an HF directory")
     return path

@@ -18,11 +18,14 @@ value of ``2**40`` and an allocation of that size.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from safetensors import SafetensorError, safe_open
 
 from tokenbudget.engine.loader.gguf_file import GGUFFile
+from tokenbudget.engine.loader.hf_config import TEXT_MODELS, text_model_config, text_tensor_name
 from tokenbudget.engine.loader.model_dims import ModelDims, gguf_model_dims, hf_model_dims
 from tokenbudget.engine.loader.tensor_layouts import (
     GGUF_LAYER_RE,
@@ -50,23 +53,35 @@ def check_gguf_model(gguf: GGUFFile) -> ModelDims:
 
 def check_hf_model(path: str, cfg: Any, generation: Any, files: list[str]) -> ModelDims:
     """Check an HF directory's parsed ``config.json`` (and ``generation_config.json``, None when
-    absent) and the safetensors ``files``' headers."""
-    dims = hf_model_dims(cfg, path, generation)
-    shapes = safetensors_shapes(files)
-    check_tensor_shapes(shapes, dims, layout_for(HF_LAYOUTS, cfg.get("model_type")), HF_LAYER_RE, path)
+    absent) and the safetensors ``files``' headers. A multimodal checkpoint (``TEXT_MODELS``) is
+    checked as its language model: its text config, its tensors under their text-model names."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: config.json must hold a JSON object, got {type(cfg).__name__}")
+    model_type = cfg.get("model_type")
+    if type(model_type) is not str:
+        raise ValueError(f"{path}: model_type must be a string, got {model_type!r:.40}")
+    text = text_model_config(cfg) if model_type in TEXT_MODELS else cfg
+    dims = hf_model_dims(text, path, generation)
+    shapes = safetensors_shapes(files, functools.partial(text_tensor_name, model_type))
+    check_tensor_shapes(shapes, dims, layout_for(HF_LAYOUTS, text["model_type"]), HF_LAYER_RE, path)
     return dims
 
 
-def safetensors_shapes(files: list[str]) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape over ``files``, read from their headers alone. ValueError naming the
-    file when one is unreadable or corrupt, holds a weight or bias that is not floating point, or
-    repeats another file's tensor."""
+def safetensors_shapes(files: list[str], rename: Callable[[str], str | None] = lambda name: name
+                       ) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape over ``files``, read from their headers alone; ``rename`` as
+    ``hf_loader.load_safetensors_dir``'s (None: a tensor the model does not read). ValueError
+    naming the file when one is unreadable or corrupt, holds a weight or bias that is not
+    floating point, or repeats another file's tensor."""
     shapes: dict[str, tuple[int, ...]] = {}
     for file in files:
         try:
             with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    part = f.get_slice(name)
+                for stored in f.keys():
+                    name = rename(stored)
+                    if name is None:
+                        continue
+                    part = f.get_slice(stored)
                     if name in shapes:
                         raise ValueError(f"{file}: tensor {name!r} is also in another safetensors file")
                     if name.endswith((".weight", ".bias")) and part.get_dtype() not in _FLOAT_DTYPES:

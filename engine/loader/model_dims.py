@@ -175,14 +175,11 @@ def _gguf_vocab(v: _Values, embedding_rows: int | None) -> Dim:
     return Dim(embedding_rows, "token_embd.weight", f"token_embd.weight has {embedding_rows} rows")
 
 
-def hf_model_dims(cfg: Any, path: str, generation: Any = None) -> ModelDims:
-    """Sizes from a parsed ``config.json`` (transformers' keys), every value checked (module doc);
-    ``generation``: the parsed ``generation_config.json``, whose EOS ids are checked too."""
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: config.json must hold a JSON object, got {type(cfg).__name__}")
+def hf_model_dims(cfg: dict[str, Any], path: str, generation: Any = None) -> ModelDims:
+    """Sizes from a parsed ``config.json`` (transformers' keys; a multimodal checkpoint's text
+    part), every value checked (module doc); ``generation``: the parsed
+    ``generation_config.json``, whose EOS ids are checked too."""
     v = _Values(cfg, path)
-    if type(cfg.get("model_type")) is not str:
-        raise v.fail("model_type", f"must be a string, got {_short(cfg.get('model_type'))}")
     hidden, heads = v.size("hidden_size"), v.size("num_attention_heads")
     kv_heads = v.size("num_key_value_heads", heads)
     given = v.size("head_dim") if cfg.get("head_dim") is not None else None
@@ -200,7 +197,8 @@ def hf_model_dims(cfg: Any, path: str, generation: Any = None) -> ModelDims:
         raise v.fail("tie_word_embeddings", f"must be true or false, got {_short(cfg['tie_word_embeddings'])}")
     if not isinstance(cfg.get("rope_scaling") or {}, dict) or not isinstance(cfg.get("rope_parameters") or {}, dict):
         raise v.fail("rope_scaling", "(or rope_parameters) must be an object or null")
-    rotary = cfg.get("partial_rotary_factor")
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    rotary = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))  # 5.x, else 4.x spelling
     rotary = 1.0 if rotary is None else rotary
     if type(rotary) not in (int, float) or not 0 < rotary <= 1:
         raise v.fail("partial_rotary_factor", f"must be in (0, 1], got {_short(rotary)}")

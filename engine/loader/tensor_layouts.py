@@ -16,7 +16,8 @@ numbers. Only shapes are read (headers), never tensor data.
 Adding a family: an entry in ``GGUF_LAYOUTS`` (keyed by ``general.architecture``) and in
 ``HF_LAYOUTS`` (keyed by ``model_type``), usually the base layout with a few names added or
 reshaped. A family without an entry gets the base shapes for the tensors it has and no required
-list.
+list. The mixture-of-experts families' expert tensors are not in the tables yet (their
+attention, norms and embeddings are).
 """
 
 from __future__ import annotations
@@ -127,12 +128,21 @@ _HF_QK_NORM = (_L + "self_attn.q_norm.weight", _L + "self_attn.k_norm.weight")
 _HF_GEMMA2 = _HF_BASE.with_(required=(_L + "pre_feedforward_layernorm.weight",
                                       _L + "post_feedforward_layernorm.weight"))
 
+_HF_QKV_BIAS = tuple(_L + f"self_attn.{p}_proj.bias" for p in "qkv")
+_HF_MOE = _HF_BASE.with_(drop=tuple(_L + f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")))  # experts: unchecked
+
 HF_LAYOUTS: dict[str, TensorLayout] = {
     "llama": _HF_BASE,
     "mistral": _HF_BASE,
+    "ministral": _HF_BASE,
+    "smollm3": _HF_BASE,
     "granite": _HF_BASE,
-    "qwen2": _HF_BASE.with_(required=tuple(_L + f"self_attn.{p}_proj.bias" for p in "qkv")),
+    "qwen2": _HF_BASE.with_(required=_HF_QKV_BIAS),
     "qwen3": _HF_BASE.with_(required=_HF_QK_NORM),
+    "mixtral": _HF_MOE,
+    "qwen2_moe": _HF_MOE,  # biases as qkv_bias says: checked when present
+    "qwen3_moe": _HF_MOE.with_(required=_HF_QK_NORM),
+    "gpt_oss": _HF_MOE,  # biases as attention_bias says: checked when present
     "gemma2": _HF_GEMMA2,
     "gemma3_text": _HF_GEMMA2.with_(required=_HF_QK_NORM),
     "olmo2": _HF_BASE.with_(  # norms after attention / MLP only; q/k norms over all heads
