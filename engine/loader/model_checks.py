@@ -8,8 +8,9 @@ The loaders call these first, on headers only (no tensor is dequantized or read)
   ``key_length`` against the projections' rows, ``feed_forward_length`` against the MLP, the
   token list against the embedding's rows.
 - :func:`check_hf_model`: ``config.json``'s values and the shapes in the safetensors headers
-  (``safe_open(...).get_slice(name).get_shape()``), the same way; an unreadable or corrupt
-  safetensors file is refused naming it.
+  (``safe_open(...).get_slice(name).get_shape()``) against the model's own table of the tensors it
+  reads (``engine.model.weights.check_state_dict``: missing, leftover or misshapen tensors); an
+  unreadable or corrupt safetensors file is refused naming it.
 
 Each returns the file's :class:`ModelDims`; every failure is a ``ValueError`` naming the file, the
 key and both numbers. A file is untrusted: these checks are what stands between a metadata
@@ -25,16 +26,24 @@ from typing import Any
 from safetensors import SafetensorError, safe_open
 
 from tokenbudget.engine.loader.gguf_file import GGUFFile
-from tokenbudget.engine.loader.hf_config import TEXT_MODELS, text_model_config, text_tensor_name
+from tokenbudget.engine.loader.hf_config import (
+    TEXT_MODELS,
+    hf_config_to_model_config,
+    text_model_config,
+    text_tensor_name,
+)
 from tokenbudget.engine.loader.model_dims import ModelDims, gguf_model_dims, hf_model_dims
+from tokenbudget.engine.loader.mxfp4 import mxfp4_shapes
 from tokenbudget.engine.loader.tensor_layouts import (
     GGUF_LAYER_RE,
     GGUF_LAYOUTS,
     HF_LAYER_RE,
-    HF_LAYOUTS,
+    check_layers,
     check_tensor_shapes,
+    layer_indices,
     layout_for,
 )
+from tokenbudget.engine.model.weights import check_state_dict
 
 __all__ = ["check_gguf_model", "check_hf_model", "safetensors_shapes"]
 
@@ -62,8 +71,14 @@ def check_hf_model(path: str, cfg: Any, generation: Any, files: list[str]) -> Mo
         raise ValueError(f"{path}: model_type must be a string, got {model_type!r:.40}")
     text = text_model_config(cfg) if model_type in TEXT_MODELS else cfg
     dims = hf_model_dims(text, path, generation)
-    shapes = safetensors_shapes(files, functools.partial(text_tensor_name, model_type))
-    check_tensor_shapes(shapes, dims, layout_for(HF_LAYOUTS, text["model_type"]), HF_LAYER_RE, path)
+    shapes = mxfp4_shapes(safetensors_shapes(files, functools.partial(text_tensor_name, model_type)))
+    check_layers(layer_indices(shapes, HF_LAYER_RE), dims, path)  # before any per-layer table is built
+    try:  # the model's own table of what it reads (engine/model/weights.py): one rule, used twice
+        check_state_dict(hf_config_to_model_config(cfg, generation), shapes)
+    except ValueError as e:
+        dims_read = (dims.hidden, dims.heads, dims.kv_heads, dims.head_dim, dims.ffn, dims.vocab)
+        sizes = "; ".join(d.source for d in dims_read)
+        raise ValueError(f"{path}: {e} ({sizes})") from None
     return dims
 
 

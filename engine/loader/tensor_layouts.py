@@ -13,11 +13,11 @@ present are exactly ``0 .. layers - 1``, every required tensor is there, every n
 its shape; a mismatch names the tensor, the key(s) the expected size came from, and both
 numbers. Only shapes are read (headers), never tensor data.
 
-Adding a family: an entry in ``GGUF_LAYOUTS`` (keyed by ``general.architecture``) and in
-``HF_LAYOUTS`` (keyed by ``model_type``), usually the base layout with a few names added or
-reshaped. A family without an entry gets the base shapes for the tensors it has and no required
-list. The mixture-of-experts families' expert tensors are not in the tables yet (their
-attention, norms and embeddings are).
+Adding a family: an entry in ``GGUF_LAYOUTS`` (keyed by ``general.architecture``), usually the base
+layout with a few names added or reshaped. A family without an entry gets the base shapes for the
+tensors it has and no required list. Hugging Face checkpoints have no table here: their tensors are
+held to the model's own (``engine.model.weights.expected_shapes``), the names GGUF files are
+renamed to as well.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from dataclasses import dataclass, fields
 
 from tokenbudget.engine.loader.model_dims import ModelDims
 
-__all__ = ["TensorLayout", "GGUF_LAYOUTS", "HF_LAYOUTS", "GGUF_LAYER_RE", "HF_LAYER_RE", "layout_for",
-           "check_tensor_shapes"]
+__all__ = ["TensorLayout", "GGUF_LAYOUTS", "GGUF_LAYER_RE", "HF_LAYER_RE", "layout_for", "check_layers",
+           "layer_indices", "check_tensor_shapes"]
 
 Shape = tuple[str, ...]
 
@@ -103,60 +103,6 @@ GGUF_LAYOUTS: dict[str, TensorLayout] = {
 }
 
 _L = "model.layers.{i}."
-_HF_BASE = TensorLayout(
-    shapes={
-        "model.embed_tokens.weight": ("vocab", "hidden"), "lm_head.weight": ("vocab", "hidden"),
-        "model.norm.weight": ("hidden",),
-        **{_L + n + ".weight": ("hidden",) for n in ("input_layernorm", "post_attention_layernorm",
-                                                      "pre_feedforward_layernorm", "post_feedforward_layernorm")},
-        _L + "self_attn.q_proj.weight": ("heads * head_dim", "hidden"),
-        _L + "self_attn.k_proj.weight": ("kv_heads * head_dim", "hidden"),
-        _L + "self_attn.v_proj.weight": ("kv_heads * v_head_dim", "hidden"),
-        _L + "self_attn.qkv_proj.weight": (_QKV, "hidden"),
-        _L + "self_attn.o_proj.weight": ("hidden", "heads * v_head_dim"),
-        _L + "self_attn.q_proj.bias": ("heads * head_dim",), _L + "self_attn.k_proj.bias": ("kv_heads * head_dim",),
-        _L + "self_attn.v_proj.bias": ("kv_heads * v_head_dim",), _L + "self_attn.o_proj.bias": ("hidden",),
-        _L + "self_attn.q_norm.weight": ("head_dim",), _L + "self_attn.k_norm.weight": ("head_dim",),
-        _L + "mlp.gate_proj.weight": ("ffn", "hidden"), _L + "mlp.up_proj.weight": ("ffn", "hidden"),
-        _L + "mlp.down_proj.weight": ("hidden", "ffn"), _L + "mlp.gate_up_proj.weight": ("2 * ffn", "hidden"),
-    },
-    required=("model.embed_tokens.weight", "model.norm.weight", _L + "input_layernorm.weight",
-              _L + "post_attention_layernorm.weight", _L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight",
-              _L + "self_attn.v_proj.weight", _L + "self_attn.o_proj.weight", _L + "mlp.gate_proj.weight",
-              _L + "mlp.up_proj.weight", _L + "mlp.down_proj.weight"))
-_HF_QK_NORM = (_L + "self_attn.q_norm.weight", _L + "self_attn.k_norm.weight")
-_HF_GEMMA2 = _HF_BASE.with_(required=(_L + "pre_feedforward_layernorm.weight",
-                                      _L + "post_feedforward_layernorm.weight"))
-
-_HF_QKV_BIAS = tuple(_L + f"self_attn.{p}_proj.bias" for p in "qkv")
-_HF_MOE = _HF_BASE.with_(drop=tuple(_L + f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")))  # experts: unchecked
-
-HF_LAYOUTS: dict[str, TensorLayout] = {
-    "llama": _HF_BASE,
-    "mistral": _HF_BASE,
-    "ministral": _HF_BASE,
-    "smollm3": _HF_BASE,
-    "granite": _HF_BASE,
-    "qwen2": _HF_BASE.with_(required=_HF_QKV_BIAS),
-    "qwen3": _HF_BASE.with_(required=_HF_QK_NORM),
-    "mixtral": _HF_MOE,
-    "qwen2_moe": _HF_MOE,  # biases as qkv_bias says: checked when present
-    "qwen3_moe": _HF_MOE.with_(required=_HF_QK_NORM),
-    "gpt_oss": _HF_MOE,  # biases as attention_bias says: checked when present
-    "gemma2": _HF_GEMMA2,
-    "gemma3_text": _HF_GEMMA2.with_(required=_HF_QK_NORM),
-    "olmo2": _HF_BASE.with_(  # norms after attention / MLP only; q/k norms over all heads
-        required=(_L + "post_feedforward_layernorm.weight",) + _HF_QK_NORM, drop=(_L + "input_layernorm.weight",),
-        shapes={_L + "self_attn.q_norm.weight": ("heads * head_dim",),
-                _L + "self_attn.k_norm.weight": ("kv_heads * head_dim",)}),
-    "phi3": _HF_BASE.with_(  # fused qkv_proj and gate_up_proj; partial rotary (Phi-4-mini)
-        required=(_L + "self_attn.qkv_proj.weight", _L + "mlp.gate_up_proj.weight"),
-        drop=tuple(_L + n for n in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                                    "mlp.gate_proj.weight", "mlp.up_proj.weight")),
-        rope_is_head_dim=False),
-}
-
-
 def layout_for(layouts: Mapping[str, TensorLayout], family: str) -> TensorLayout:
     """The family's layout; for a family without one, the base shapes and nothing required."""
     if family in layouts:
@@ -201,11 +147,11 @@ def _where(shape: Shape, dims: ModelDims) -> str:
     return "; ".join(f"{n}: {getattr(dims, n).source}" for n in names)
 
 
-def _layer_indices(names, layer_re: re.Pattern) -> set[int]:
+def layer_indices(names, layer_re: re.Pattern) -> set[int]:
     return {int(m.group(1)) for n in names if (m := layer_re.match(n))}
 
 
-def _check_layers(present: set[int], dims: ModelDims, path: str) -> None:
+def check_layers(present: set[int], dims: ModelDims, path: str) -> None:
     """The layer indices present are exactly ``0 .. layers - 1`` (without building that range:
     ``layers`` is the file's word, up to 2**31)."""
     n = dims.layers.value
@@ -227,7 +173,7 @@ def check_tensor_shapes(shapes: Mapping[str, tuple[int, ...]], dims: ModelDims, 
                         layer_re: re.Pattern, path: str) -> None:
     """Hold ``shapes`` (tensor name -> shape in HF order) to ``layout`` and ``dims`` (module doc);
     ``layer_re`` finds a layer index in a name (``GGUF_LAYER_RE``, ``HF_LAYER_RE``)."""
-    _check_layers(_layer_indices(shapes, layer_re), dims, path)
+    check_layers(layer_indices(shapes, layer_re), dims, path)
     per_layer = [r for r in layout.required if "{i}" in r]
     for requirement in itertools.chain((r for r in layout.required if "{i}" not in r),
                                        (r.replace("{i}", str(i)) for i in range(dims.layers.value) for r in per_layer)):
