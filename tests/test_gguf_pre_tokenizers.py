@@ -20,11 +20,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from spm_fixtures import write_gguf  # noqa: E402
-from test_tokenizer import CORPUS, SAMPLES  # noqa: E402
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from tokenbudget.engine.loader.gguf_loader import read_gguf_metadata
 from tokenbudget.engine.text.gguf_tokenizer import build_gguf_tokenizer
+
+from tokenizer_corpus import CORPUS, SAMPLES  # noqa: E402
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (the [test] extra)")
 

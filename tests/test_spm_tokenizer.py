@@ -18,11 +18,12 @@ from chat_templates import GEMMA3  # noqa: E402
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from spm_fixtures import gguf_metadata_for, train_sentencepiece, write_gguf  # noqa: E402
-from test_tokenizer import CORPUS, SAMPLES  # noqa: E402
 
 from tokenbudget.engine.loader.gguf_loader import read_gguf_metadata
 from tokenbudget.engine.text.gguf_tokenizer import build_gguf_tokenizer
 from tokenbudget.engine.text.spm import SentencePieceBPE
+
+from tokenizer_corpus import CORPUS, SAMPLES  # noqa: E402
 
 spm = pytest.importorskip("sentencepiece", reason="needs sentencepiece (the [test] extra)")
 transformers = pytest.importorskip("transformers", reason="needs transformers (the [test] extra)")
