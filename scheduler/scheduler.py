@@ -12,6 +12,15 @@ A step is a transaction (``engine.core.engine_core`` drives it):
     begin_step()  ->  add_drafts(batch)  ->  schedule()  ->  plan_update(sched, out)  ->  apply_update(plan)
                       \\______________ journaled; rollback_step(dirty) undoes _______/     commit: cannot fail
 
+``requests`` (the live ``Request`` objects) and the KV manager's block tables are
+``RequestTable``s, but unlike the tables above the scheduler their records change in place: the
+hot loop advances ``num_computed_tokens`` of every running request every step and extends or
+rewinds block tables every few steps, and a new record for each would be allocations in the loop
+that sets the engine's pace (measured: +12 % per request without drafts, +40 % with 4, in
+``benches/scheduler_overhead.py``). So every change to them, to the queues and to the block pool
+records its inverse in the step's ``UndoLog`` (``kv_cache.journal``), and the engine core's table
+journal leaves them out.
+
 ``plan_update`` changes nothing (it works out what the step will commit, so that everything that
 can fail happens before anything is committed); ``apply_update`` commits. Between steps,
 ``add_request`` and ``finish_request`` (abort, error) change the queues.
@@ -25,6 +34,7 @@ from operator import attrgetter
 
 from tokenbudget.kv_cache.journal import UndoLog
 from tokenbudget.kv_cache.manager import KVCacheManager
+from tokenbudget.request_table import RequestTable
 from tokenbudget.scheduler.config import SchedulerConfig
 from tokenbudget.scheduler.drafts import DraftBatch, draft_limit
 from tokenbudget.scheduler.integrity import check_scheduler_integrity
@@ -48,7 +58,7 @@ class Scheduler:
         self.config = config
         self.kv = kv_manager or KVCacheManager(config.num_blocks, config.block_size,
                                                config.max_model_len, config.enable_prefix_caching)
-        self.requests: dict[str, Request] = {}
+        self.requests: RequestTable[Request] = RequestTable("scheduler requests")
         self.waiting = make_queue(config.policy)
         # Kept sorted by policy key: the last running request is the preemption victim.
         self.running: list[Request] = []
@@ -66,7 +76,7 @@ class Scheduler:
         request.arrival_index = self._next_arrival
         self._next_arrival += 1
         request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
+        self.requests.set(request.request_id, request)
         self.waiting.add(request)
 
     def finish_request(self, request_id: str, status: RequestStatus,
@@ -89,10 +99,10 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self.kv.free(request)
         request.spec_token_ids, request.spec_probs = [], None
-        del self.requests[request.request_id]
+        self.requests.drop(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return len(self.requests) > 0
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -289,6 +299,7 @@ class Scheduler:
             raise RuntimeError(f"runner returned {len(sampled)} results for {len(sched.scheduled)} requests")
         max_model_len = self.config.max_model_len
         logprobs = output.logprobs
+        request_of = self.requests.get
         plan: list[EngineCoreOutput] = []
         for idx, (sr, tokens) in enumerate(zip(sched.scheduled, sampled)):
             if not tokens:
@@ -301,7 +312,7 @@ class Scheduler:
             if not sr.needs_sample or not 0 <= num_accepted <= num_drafts \
                     or tokens[:num_accepted] != sr.spec_token_ids[:num_accepted]:
                 raise RuntimeError(f"{sr.request_id}: runner returned {tokens} for drafts {sr.spec_token_ids}")
-            n, status, reason = check_stop(self.requests[sr.request_id], tokens, max_model_len)
+            n, status, reason = check_stop(request_of(sr.request_id), tokens, max_model_len)
             lps = logprobs[idx] if logprobs is not None else None
             plan.append(EngineCoreOutput(sr.request_id, tokens if n == len(tokens) else tokens[:n], status,
                                          reason, num_drafts, num_accepted, lps[:n] if lps is not None else None))
@@ -317,10 +328,10 @@ class Scheduler:
         self._journal = None
         kv = self.kv
         lookahead = self.config.num_lookahead_tokens
-        requests = self.requests
+        request_of = self.requests.get
         finished: list[Request] = []
         for sr, entry in zip(sched.scheduled, plan):
-            request = requests[sr.request_id]
+            request = request_of(sr.request_id)
             if not sr.needs_sample:  # a partial prefill chunk
                 kv.cache_blocks(request)
                 continue

@@ -65,10 +65,12 @@ with the step's shape and measured seconds after the commit, ``forget`` when a r
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from functools import cache
+from operator import attrgetter
 from typing import Any
 
+from tokenbudget.request_table import EngineRecord, RequestTable
 from tokenbudget.scheduler.request import Request
 from tokenbudget.spec.acceptance import AcceptanceEstimator, Evidence
 from tokenbudget.spec.cost_model import StepCostModel, StepShape
@@ -92,6 +94,32 @@ class Plan:
     num_probes: int = 0
 
 
+@dataclass(slots=True)
+class ControllerState:
+    """The controller's engine-wide state: one record of its ``EngineRecord``, changed only in
+    this step's copy (``edit``), so a failed step leaves it as it was."""
+
+    step: int = 0
+    num_probes: int = 0
+    num_slept: int = 0   # steps slept through (``asleep``)
+    num_verdicts: int = 0  # observe() calls: any verdict can move an estimate
+    k_histogram: dict[int, int] = field(default_factory=dict)
+    last_plan: Plan | None = None
+    hold: tuple | None = None  # (inputs, caps, step) of the last all-zero plan solved
+    probed: frozenset[str] = frozenset()  # the requests the last plan probes
+    zero_streak: int = 0  # steps in a row with k = 0 for everyone
+    sleep: int = 0  # steps still to sleep (``asleep``)
+    sleep_ids: frozenset[str] = frozenset()  # the requests of the last zero plan
+
+    def __copy__(self) -> ControllerState:
+        new = ControllerState(*_STATE_FIELDS(self))
+        new.k_histogram = dict(self.k_histogram)
+        return new
+
+
+_STATE_FIELDS = attrgetter(*(f.name for f in fields(ControllerState)))
+
+
 class AdaptiveSpecController:
     """Chooses drafts per request per step; learns acceptance and step cost online. Not
     thread-safe.
@@ -110,25 +138,45 @@ class AdaptiveSpecController:
         if probe_interval < 0:
             raise ValueError(f"probe_interval must be >= 0, got {probe_interval}")
         self.max_k = int(max_k)
-        self._estimator_args = dict(prior_alpha=prior_alpha, prior_beta=prior_beta,
-                                    prior_strength=prior_strength, decay=decay, global_decay=global_decay)
-        self.acceptance = AcceptanceEstimator(max_k, **self._estimator_args)
-        # One estimator per draft kind (``spec.proposer``), each with its own engine-wide prior;
-        # kind None (drafters without kinds) is ``acceptance``.
-        self._by_kind: dict[Hashable, AcceptanceEstimator] = {None: self.acceptance}
         self.cost_model = cost_model
         self.probe_interval = int(probe_interval)
-        self.step = 0
-        self.k_histogram: dict[int, int] = {}
-        self.num_probes = 0
-        self.num_slept = 0   # steps slept through (``asleep``)
-        self.last_plan: Plan | None = None
-        self._num_verdicts = 0               # observe() calls: any verdict can move an estimate
-        self._hold: tuple | None = None      # (inputs, caps, step) of the last all-zero plan solved
-        self._probed: frozenset[str] = frozenset()   # the requests the last plan probes
-        self._zero_streak = 0                        # steps in a row with k = 0 for everyone
-        self._sleep = 0                              # steps still to sleep (``asleep``)
-        self._sleep_ids: frozenset[str] = frozenset()   # the requests of the last zero plan
+        self._state = EngineRecord("controller", ControllerState())
+        # One estimator per draft kind (``spec.proposer``), each with its own engine-wide prior,
+        # all over one pair of records (``spec.acceptance``); kind None (drafters without kinds)
+        # is ``acceptance``. The estimators hold no state of their own (``_views`` only saves
+        # making them again); the kinds seen are the keys of ``globals``.
+        self.evidence: RequestTable[dict] = RequestTable("acceptance evidence")
+        self.globals: EngineRecord[dict] = EngineRecord("acceptance", {})
+        self._estimator_args = dict(prior_alpha=prior_alpha, prior_beta=prior_beta,
+                                    prior_strength=prior_strength, decay=decay, global_decay=global_decay,
+                                    evidence=self.evidence, globals_=self.globals, clock=lambda: self._state.value.step)
+        self._views: dict[Hashable, AcceptanceEstimator] = {}
+        self.acceptance = self.estimator(None)
+
+    @property
+    def tables(self) -> tuple[RequestTable, ...]:
+        """The controller's records, for the engine core's step journal."""
+        return self.evidence, self.globals, self._state
+
+    @property
+    def step(self) -> int:
+        return self._state.value.step
+
+    @property
+    def k_histogram(self) -> dict[int, int]:
+        return self._state.value.k_histogram
+
+    @property
+    def num_probes(self) -> int:
+        return self._state.value.num_probes
+
+    @property
+    def num_slept(self) -> int:
+        return self._state.value.num_slept
+
+    @property
+    def last_plan(self) -> Plan | None:
+        return self._state.value.last_plan
 
     @classmethod
     def from_config(cls, config: Any, cost_model: StepCostModel, **kwargs: Any
@@ -181,9 +229,9 @@ class AdaptiveSpecController:
 
     def estimator(self, kind: Hashable = None) -> AcceptanceEstimator:
         """The acceptance estimator of drafts of ``kind`` (created at the prior on first use)."""
-        est = self._by_kind.get(kind)
-        if est is None:
-            est = self._by_kind[kind] = AcceptanceEstimator(self.max_k, **self._estimator_args)
+        est = self._views.get(kind)
+        if est is None or kind not in self.globals.value:  # made, then rolled back: at the prior again
+            est = self._views[kind] = AcceptanceEstimator(self.max_k, kind=kind, **self._estimator_args)
         return est
 
     def choose(self, requests: Sequence[Request], base: StepShape | None = None,
@@ -205,33 +253,37 @@ class AdaptiveSpecController:
         self._next_step()
         cap = self.caps_for(requests, caps)
         k = self._plan(requests, base, cap, kinds, model_drafted)
-        if sum(k) > self.last_plan.num_probes:   # drafts that pay (a probe alone does not wake)
-            self._zero_streak = self._sleep = 0
+        st = self._state.edit()
+        if sum(k) > st.last_plan.num_probes:     # drafts that pay (a probe alone does not wake)
+            st.zero_streak = st.sleep = 0
         elif any(cap):                           # there were drafts, and none paid
-            self._zero_streak += 1
-            self._sleep = min(self._zero_streak // SLEEP_RAMP, MAX_SLEEP)
-            self._sleep_ids = frozenset(r.request_id for r in requests)
+            st.zero_streak += 1
+            st.sleep = min(st.zero_streak // SLEEP_RAMP, MAX_SLEEP)
+            st.sleep_ids = frozenset(r.request_id for r in requests)
         return k
 
     def asleep(self, requests: Sequence[Request]) -> bool:
         """Whether this step skips drafting and choosing altogether (module docstring,
         "Sleeping"); if so, it counts as a step with k = 0 for these requests. Call instead of
         ``choose``, before drafting."""
-        if not self._sleep or not self._sleep_ids.issuperset(r.request_id for r in requests):
-            self._sleep = 0
+        st = self._state.value
+        if not st.sleep or not st.sleep_ids.issuperset(r.request_id for r in requests):
+            if st.sleep:
+                self._state.edit().sleep = 0
             return False
-        self._sleep -= 1
-        self._zero_streak += 1
-        self.num_slept += 1
+        st = self._state.edit()
+        st.sleep -= 1
+        st.zero_streak += 1
+        st.num_slept += 1
         self._next_step()
-        self._no_drafts(len(requests), self.last_plan.cost, self.last_plan.ratio)
+        self._no_drafts(len(requests), st.last_plan.cost, st.last_plan.ratio)
         return True
 
     def _next_step(self) -> None:
-        self.step += 1
-        self._probed = frozenset()
-        for est in self._by_kind.values():
-            est.decay_global()
+        """A new engine step: the engine-wide evidence decays by it (the estimators' clock)."""
+        st = self._state.edit()
+        st.step += 1
+        st.probed = frozenset()
 
     def _plan(self, requests: Sequence[Request], base: StepShape, cap: list[int],
               kinds: Sequence[Hashable] | None, model_drafted: Sequence[bool] | None) -> list[int]:
@@ -239,13 +291,14 @@ class AdaptiveSpecController:
         b = len(requests)
         if not any(cap):   # nothing to draft (no n-gram match, every request capped at 0): no choice
             return self._no_drafts(b, 0.0, 0.0)
+        st = self._state.edit()
         inputs = (tuple(r.request_id for r in requests), None if kinds is None else tuple(kinds),
-                  None if model_drafted is None else tuple(model_drafted), base, self._num_verdicts,
+                  None if model_drafted is None else tuple(model_drafted), base, st.num_verdicts,
                   self.cost_model.version)
-        hold = self._hold
-        if (hold is not None and hold[0] == inputs and self.step - hold[2] < HOLD_STEPS
+        hold = st.hold
+        if (hold is not None and hold[0] == inputs and st.step - hold[2] < HOLD_STEPS
                 and all(c <= h for c, h in zip(cap, hold[1]))):
-            return self._no_drafts(b, self.last_plan.cost, self.last_plan.ratio)
+            return self._no_drafts(b, st.last_plan.cost, st.last_plan.ratio)
         ests, rows = self._evidence(requests, kinds)
         costs = cache(lambda: self.step_costs(requests, base, sum(cap), model_drafted))  # once, if asked
         g0 = None if model_drafted is not None and any(model_drafted) else self._no_draft_cost(
@@ -256,20 +309,21 @@ class AdaptiveSpecController:
             g, row_costs = costs()
             k, num, den = optimal_draft_lengths(self._probs(ests, rows), cap, g, row_costs)
         probed, num, den = self._add_probes(k, cap, ests, rows, num, den, costs)
-        self._probed = frozenset(requests[i].request_id for i in probed)
-        self.last_plan = Plan(k, num, den, num / den, len(probed))
-        self._hold = None if any(k) else (inputs, cap, self.step)
-        hist = self.k_histogram
+        st.probed = frozenset(requests[i].request_id for i in probed)
+        st.last_plan = Plan(k, num, den, num / den, len(probed))
+        st.hold = None if any(k) else (inputs, cap, st.step)
+        hist = st.k_histogram
         for kv in k:
             hist[kv] = hist.get(kv, 0) + 1
         return k
 
     def _no_drafts(self, b: int, cost: float, ratio: float) -> list[int]:
         """A plan of k = 0 for all ``b`` requests, without solving."""
-        self.last_plan = Plan([0] * b, float(b), cost, ratio)
+        st = self._state.edit()
+        st.last_plan = Plan([0] * b, float(b), cost, ratio)
         if b:
-            self.k_histogram[0] = self.k_histogram.get(0, 0) + b
-        return self.last_plan.k
+            st.k_histogram[0] = st.k_histogram.get(0, 0) + b
+        return st.last_plan.k
 
     def _evidence(self, requests: Sequence[Request], kinds: Sequence[Hashable] | None
                   ) -> tuple[list[AcceptanceEstimator], list[Evidence]]:
@@ -347,33 +401,20 @@ class AdaptiveSpecController:
         probed = [i for _, i in idle[:n]]
         for i in probed:
             k[i] = 1
-        self.num_probes += n
+        self._state.edit().num_probes += n
         return probed, num + sum(ests[i].global_probs()[0] for i in probed), best_den
-
-    # ---- transactions ----
-    def snapshot(self) -> tuple:
-        """Everything ``choose`` changes, so a failed engine step can put it back."""
-        return (self.step, {kd: est.snapshot() for kd, est in self._by_kind.items()},
-                dict(self.k_histogram), self.num_probes, self.num_slept, self.last_plan, self._hold,
-                self._probed, self._zero_streak, self._sleep, self._sleep_ids)
-
-    def restore(self, saved: tuple) -> None:
-        (self.step, estimators, self.k_histogram, self.num_probes, self.num_slept, self.last_plan, self._hold,
-         self._probed, self._zero_streak, self._sleep, self._sleep_ids) = saved
-        self._by_kind = {kd: est for kd, est in self._by_kind.items() if kd in estimators}
-        for kd, est in self._by_kind.items():
-            est.restore(estimators[kd])
 
     # ---- feedback ----
     def observe(self, request_id: str, num_draft: int, num_accepted: int, kind: Hashable = None) -> None:
         """After the commit: the request verified ``num_draft`` drafts of ``kind``, kept
         ``num_accepted`` (a probe's verdict also sets its backoff, module docstring)."""
         est = self.estimator(kind)
-        est.observe(request_id, num_draft, num_accepted, self.step)
-        self._num_verdicts += 1
-        if request_id in self._probed and num_draft:
-            e = est.row(request_id, self.step)
-            e.probe_backoff = 1 if num_accepted else min(2 * e.probe_backoff, MAX_PROBE_BACKOFF)
+        st = self._state.edit()
+        est.observe(request_id, num_draft, num_accepted, st.step)
+        st.num_verdicts += 1
+        if request_id in st.probed and num_draft:
+            e = est.row(request_id, st.step)
+            est.set_probe_backoff(request_id, 1 if num_accepted else min(2 * e.probe_backoff, MAX_PROBE_BACKOFF))
 
     def observe_step(self, shape: StepShape, seconds: float) -> None:
         """The engine's measured step: it carried ``shape`` and took ``seconds``."""
@@ -381,8 +422,7 @@ class AdaptiveSpecController:
 
     def forget(self, request_id: str) -> None:
         """The request finished or was aborted; free its state (every kind's)."""
-        for est in self._by_kind.values():
-            est.forget(request_id)
+        self.evidence.drop(request_id)
 
     def estimate(self, request_id: str, kind: Hashable = None) -> list[float]:
         """Current per-position conditional acceptance estimate of ``request_id``'s drafts of
@@ -392,8 +432,8 @@ class AdaptiveSpecController:
     @property
     def kinds(self) -> list[Hashable]:
         """The draft kinds seen so far (None first: drafters without kinds)."""
-        return list(self._by_kind)
+        return list(self.globals.value)
 
     def tracked_requests(self) -> set[str]:
         """Request ids with evidence in any kind (tests: released on the one release path)."""
-        return {rid for est in self._by_kind.values() for rid in est}
+        return set(self.evidence)

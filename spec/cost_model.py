@@ -353,15 +353,6 @@ class StepCostModel:
         self.num_updates += 1
         self._stale += 1
 
-    # ---- transactions (the controller snapshots around a step) ----
-    def snapshot(self) -> tuple:
-        return (self._a.copy(), self._b.copy(), list(self._pending), self.num_updates, self._w, self._w_list,
-                self._stale)
-
-    def restore(self, saved: tuple) -> None:
-        self._a, self._b, pending, self.num_updates, self._w, self._w_list, self._stale = saved
-        self._pending = list(pending)
-
     def __repr__(self) -> str:
         co = ", ".join(f"{k}={v:.3g}" for k, v in self.coefficients().items() if v > 0)
         return f"StepCostModel({co}; {self.num_updates} updates)"

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Bottom first. A module belongs to the layer of its longest matching prefix.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("request table: per-request records inside the step transaction", ("tokenbudget.request_table",)),
     ("types: options, outputs, errors", ("tokenbudget.api",)),
     ("kv_cache", ("tokenbudget.kv_cache",)),
     ("scheduler: request state, the step contract", ("tokenbudget.scheduler",)),

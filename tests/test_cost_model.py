@@ -153,18 +153,6 @@ def test_bad_input_raises():
         default_grid(0)
 
 
-def test_snapshot_restore():
-    m = synthetic_model(**TRUE)
-    s = StepShape(2, 2, 2, 0.1)
-    saved = m.snapshot()
-    before = m.cost(s)
-    m.update(s, 2 * before)
-    m.refit()
-    assert m.cost(s) != before
-    m.restore(saved)
-    assert m.cost(s) == before and m.num_updates == 0
-
-
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 64), st.integers(0, 400), st.integers(0, 80), st.floats(0.0, 50.0), st.integers(0, 300))
 def test_token_curve_is_the_cost_of_the_step_with_d_more_rows(b, tokens, logit_rows, att, n):

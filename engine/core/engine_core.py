@@ -13,8 +13,8 @@ is what they pass in. One step:
     plan   = scheduler.plan_update(sched, result)     # what the step commits; changes nothing
     structured.prepare(plan)                          # grammars consume the tokens (may end requests)
     outs   = outputs.prepare(plan)                    # text, stop strings (may end requests)
-    --- commit: scheduler.apply_update, outputs.commit, structured.commit, speculator.commit,
-        on_finished fan-out
+    --- commit: the tables' step closed, scheduler.apply_update, structured.commit,
+        speculator.commit, the release of finished requests
 
 **Request faults** (``scheduler.request_fault.RequestFault``: a grammar that cannot give a mask
 or exceeds its mask budget, a logits processor that raises, parameters that leave no token
@@ -26,7 +26,13 @@ asks for, it can only end itself. Every other exception is an *engine fault*, ha
 Everything before the commit either changes nothing or journals its changes, so when anything
 there raises (model, sampler, proposer, a kernel, the detokenizer) the step is rolled back:
 counters, blocks, prefix-cache entries, drafts, proposer/controller, grammar and output state are
-as they were (``kv_cache.journal`` says what a rollback after a forward pass keeps for safety). Then:
+as they were (``kv_cache.journal`` says what a rollback after a forward pass keeps for safety).
+Per-request state lives in ``RequestTable``s (``tokenbudget.request_table``): every component above
+the scheduler lists its tables (``tables``), and each attempt begins all of them, rolls them all
+back on a fault and commits them all before the commit. What cannot be a replaced record has its
+own undo: the scheduler's ``UndoLog`` for the live requests and their block tables (changed in
+place in the hot loop), the queues and the block pool; the grammar matchers' consumed tokens.
+Then:
 
 * the step is retried once: a *transient* fault passes and the outputs are those of a
   fault-free run (a request's tokens depend only on its own history, ``keyed_random``);
@@ -45,9 +51,10 @@ half committed and the engine declares itself dead rather than serve from it. ``
 and ``CancelledError`` roll the step back and propagate; SIGINT is held during the sections that
 change state (``interrupts.deferred_sigint``).
 
-One fan-out, ``_release(request)``, frees what a finished or aborted request held anywhere
-outside the scheduler (proposer indexes, controller, grammar and output state); the scheduler frees its KV
-blocks when it finishes the request.
+One release path, ``_release(request)``, drops a finished or aborted request's records from every
+table (proposer state, acceptance evidence, grammar matcher, output state) and lets the proposer
+keep what it learnt (suffix decoding's global cache); the scheduler frees its KV blocks when it
+finishes the request.
 
 A request with ``n > 1`` enters as n child requests (``engine.core.parallel_sampling``); each is
 scheduled, isolated on a fault and finished on its own, and their outputs are gathered into the
@@ -67,6 +74,7 @@ from tokenbudget.engine.core.output_processor import OutputProcessor
 from tokenbudget.engine.core.parallel_sampling import ParentRequest
 from tokenbudget.engine.core.stats import EngineStats, ThroughputMeter, collect_stats
 from tokenbudget.engine.structured.manager import StructuredOutputs
+from tokenbudget.request_table import RequestTable
 from tokenbudget.scheduler.output import EngineCoreOutput, SchedulerOutput
 from tokenbudget.scheduler.request import Request, RequestStatus
 from tokenbudget.scheduler.request_fault import RequestFault, short
@@ -161,6 +169,12 @@ class EngineCore:
         """Engine-wide figures (``engine.core.stats``); call between steps."""
         return collect_stats(self)
 
+    @property
+    def tables(self) -> tuple[RequestTable, ...]:
+        """The records of every component above the scheduler: journaled together in each step
+        attempt, released together (the scheduler's own are journaled in its ``UndoLog``)."""
+        return (*self.outputs.tables, *self.structured.tables, *self.speculator.tables)
+
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         """Run one step; the outputs it produced (errored requests' final outputs included)."""
@@ -186,7 +200,10 @@ class EngineCore:
         if speculator.enabled:
             participants.update(r.request_id for r in scheduler.decoding_requests(only))
         dirty = False
+        tables = self.tables
         scheduler.begin_step()
+        for table in tables:
+            table.begin()
         step_start = time.monotonic()
         self._step_clock = time.perf_counter()
         try:
@@ -204,12 +221,14 @@ class EngineCore:
             step_outputs = outputs.prepare(plan, step_start)
         except BaseException:
             with deferred_sigint():
-                outputs.rollback()
+                for table in tables:
+                    table.rollback()
                 structured.rollback()
-                speculator.rollback()
                 scheduler.rollback_step(dirty)
             raise
         with deferred_sigint():
+            for table in tables:
+                table.commit()
             return self._commit(sched, plan, step_outputs, result.aux_hidden_states)
 
     def _commit(self, sched: SchedulerOutput, plan: list[EngineCoreOutput],
@@ -218,7 +237,6 @@ class EngineCore:
         ``aux_hidden_states``: the target's tap states of the step's rows (EAGLE-3), or None."""
         try:
             finished = self.scheduler.apply_update(sched, plan)
-            self.outputs.commit()
             generated = sum(len(entry.new_token_ids) for entry in plan)
             self.num_generated_tokens += generated
             self.throughput.add(generated)
@@ -365,6 +383,6 @@ class EngineCore:
         return out
 
     def _release(self, request: Request) -> None:
+        for table in self.tables:
+            table.drop(request.request_id)
         self.speculator.on_finished(request)
-        self.outputs.on_finished(request)
-        self.structured.on_finished(request)

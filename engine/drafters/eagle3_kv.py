@@ -5,8 +5,8 @@ head's K/V over the positions it ran (rows ``[0, n)`` of one buffer ``[2, capaci
 then V, the layout the C forward's attention reads; it grows by doubling; rows past ``n`` are
 scratch, the draft steps' K/V), ``next_pos``, the tap rows queued for it, the last run
 row's output. Rows below ``n`` are never written again and every other field is replaced, never
-mutated, so a snapshot (``snapshot``) is a tuple of references and ``n``: the step transaction's
-undo record.
+mutated, so a copy (``__copy__``: the same references) is the step transaction's undo record:
+the states are records of the drafter's ``RequestTable``, and a step changes its own copy.
 
 ``segment_attend`` is the ``attend`` of one head forward over several requests' rows: each
 request's new K/V are written into its buffer and its rows attend to its own rows below them.
@@ -45,12 +45,12 @@ class HeadState:
     def v(self) -> torch.Tensor:
         return self.kv[1]
 
-    def snapshot(self) -> tuple:
-        return (self.kv, self.n, self.next_pos, self.pending, self.pending_rows, self.last_pos, self.last_h,
-                self.last_logits, self.last_greedy, self.tokens)
+    def __copy__(self) -> HeadState:
+        return HeadState(self.kv, self.n, self.next_pos, self.pending, self.pending_rows, self.last_pos, self.last_h,
+                         self.last_logits, self.last_greedy, self.tokens)
 
     def reserve(self, rows: int) -> None:
-        """Room for ``rows`` rows past ``n`` (a new buffer when full: a snapshot keeps the old one)."""
+        """Room for ``rows`` rows past ``n`` (a new buffer when full: a saved copy keeps the old one)."""
         need = self.n + rows
         if need > self.kv.shape[1]:
             cap = max(need, 2 * self.kv.shape[1], 64)

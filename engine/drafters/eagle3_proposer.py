@@ -18,7 +18,7 @@ a buffer that grows by doubling; rows past ``n`` are scratch: the draft steps' K
 when nothing new came). Rows below ``n`` are never written again and every other field is
 replaced, never mutated, so a snapshot is a tuple of references and ``n``.
 
-Where tap states come from: ``observe_target_states`` (the commit) slices the runner's
+Where tap states come from: ``on_commit`` (the commit) slices the runner's
 ``aux_hidden_states`` per request and queues the valid rows; ``propose`` runs them. Positions the
 target did not compute have no tap states, and the head's attention simply skips them:
 * a prefix-cache hit (and the children 1..n-1 of an ``n > 1`` request, whose prompt comes from
@@ -36,9 +36,10 @@ layer, the lm head and the greedy draft); otherwise the head's torch forward. Bo
 K/V rows and give the same outputs up to float rounding; ``probe_cost`` times them for the
 controller's start-up prior.
 
-Transactions: ``propose`` records the state of every request it touches; ``rollback`` puts those
-records back, ``commit`` drops them. ``observe_target_states`` runs in the commit (slicing only,
-no model code). ``on_finished`` (the engine's one release path) drops the request's state.
+Transactions: the states are records of ``states`` (a ``RequestTable``, with the suffix
+proposer's tables in ``tables``): ``propose`` changes this step's own copy of each, so a failed
+step leaves them as they were, and the engine's one release path drops a finished request's.
+``on_commit`` runs in the commit (slicing only, no model code).
 
 With suffix decoding (``enable_suffix_decoding``): each request first gets the suffix proposer's
 draft; one of at least ``SUFFIX_MIN_DRAFT`` tokens (or the whole k) means the text repeats
@@ -64,9 +65,10 @@ from tokenbudget.engine.drafters.draft_sampling import sample_drafts, wants_prob
 from tokenbudget.engine.drafters.eagle3_kv import HeadState, segment_attend
 from tokenbudget.engine.model.eagle3 import Eagle3Head
 from tokenbudget.engine.worker.threads import intra_op_threads
+from tokenbudget.request_table import RequestTable
 from tokenbudget.scheduler.drafts import draft_limit
 from tokenbudget.scheduler.request import Request
-from tokenbudget.spec.proposer import BaseProposer, Proposal
+from tokenbudget.spec.proposer import BaseProposer, CommittedStep, Proposal
 
 OUTSIDE = -1e30  # logit of a target id outside the draft vocabulary
 # Committed tap rows kept per request before the oldest are dropped (a gap, like a cache hit). A
@@ -95,8 +97,8 @@ class Eagle3Proposer(BaseProposer):
         w = head.fc.weight
         self.dtype, self.device = w.dtype, w.device
         self._target_ids = head.to_target_ids(torch.arange(c.draft_vocab_size, device=self.device))
-        self._state: dict[str, HeadState] = {}
-        self._undo: dict[str, tuple | None] = {}
+        self.states: RequestTable[HeadState] = RequestTable("eagle3 head state")
+        self.tables = (self.states,) + (tuple(suffix.tables) if suffix is not None else ())
         self._threads = torch.get_num_threads()  # the engine's intra-op threads (propose runs on fewer)
         # Counters (tests, benchmarks): head rows run over target states / from its own outputs.
         self.num_catchup_tokens = 0
@@ -105,20 +107,22 @@ class Eagle3Proposer(BaseProposer):
         self.num_borrowed_rows = 0  # head K/V rows copied from a request with the same prefix
 
     # ---- the step's end: tap states of the committed step ----
-    def observe_target_states(self, sched, plan, aux_hidden_states) -> None:
-        aux = aux_hidden_states
-        if aux is None or aux.shape[0] != sum(len(sr.token_ids) for sr in sched.scheduled):
+    def on_commit(self, step: CommittedStep) -> None:
+        if self.suffix is not None:
+            self.suffix.on_commit(step)
+        sched, aux = step.sched, step.aux_hidden_states
+        if sched is None or aux is None or aux.shape[0] != sum(len(sr.token_ids) for sr in sched.scheduled):
             return  # no tap states (a runner without taps): the head skips these positions
         off = 0
-        for sr, entry in zip(sched.scheduled, plan):
+        for sr, entry in zip(sched.scheduled, step.plan):
             m = len(sr.token_ids)  # the committed tokens of the chunk, then the drafts
             valid = m - len(sr.spec_token_ids) + entry.num_accepted_tokens
             rows, start, off = aux[off:off + valid], sr.num_computed_tokens, off + m
             if rows.dtype != self.dtype:
                 rows = rows.to(self.dtype)
-            st = self._state.get(sr.request_id)
-            if st is None:
-                st = self._state[sr.request_id] = self._new_state()
+            if sr.request_id not in self.states:
+                self.states.set(sr.request_id, self._new_state())
+            st = self.states.edit(sr.request_id)
             skip = max(0, st.covered - start)  # a recompute after preemption: those rows are queued or run
             if skip >= valid:
                 continue
@@ -151,10 +155,13 @@ class Eagle3Proposer(BaseProposer):
         active = [i for i, k in enumerate(ks) if k > 0]
         states = {i: self._state_of(requests[i]) for i in active}
         self._catch_up(requests, states)
+        receipt = None
         if self.suffix is not None and active:
-            for i, f in zip(list(active), self.free_drafts([requests[i] for i in active], [ks[i] for i in active])):
-                if f is not None:
-                    drafts[i], probs[i] = f[0], None
+            free = self.free_drafts([requests[i] for i in active], [ks[i] for i in active])
+            receipt = free.receipt
+            for i, f in zip(list(active), free.token_ids):
+                if f:
+                    drafts[i], probs[i] = f, None
                     active.remove(i)
         # Draft 1 from the row at L - 2 (a request whose last committed position has no tap
         # state gets no drafts this step: never wrong, and rare).
@@ -174,24 +181,23 @@ class Eagle3Proposer(BaseProposer):
                     hidden[i] = h[r]
                 self.num_draft_forward_tokens += len(rows)
                 self._sample(out, requests, rows, drafts, probs, greedy)
-        return Proposal(drafts, [torch.stack(p) if p else None for p in probs])
+        return Proposal(drafts, [torch.stack(p) if p else None for p in probs], receipt=receipt)
 
-    def free_drafts(self, requests: Sequence[Request], caps: Sequence[int]
-                    ) -> list[tuple[list[int], Hashable] | None]:
+    def free_drafts(self, requests: Sequence[Request], caps: Sequence[int]) -> Proposal:
         """Suffix decoding's drafts (up to ``caps``) where they are long, with their kinds
-        (``("suffix", match class)``, ``spec.proposer``), else None: drafts that cost nothing,
-        for the controller to cut (``spec.speculator``)."""
-        out: list[tuple[list[int], Hashable] | None] = [None] * len(requests)
+        (``("suffix", match class)``, ``spec.proposer``), else ``[]`` (the head drafts those):
+        drafts that cost nothing, for the controller to cut (``spec.speculator``)."""
+        out: list[list[int]] = [[] for _ in requests]
+        kinds: list[Hashable] = [None] * len(requests)
         if self.suffix is None:
-            return out
+            return Proposal(out, kinds=kinds)
         ks = [draft_limit(r, self.max_model_len, c) for r, c in zip(requests, caps)]
         proposal = self.suffix.propose(requests, ks)
-        kinds = proposal.kinds
         for i, d in enumerate(proposal.token_ids):
             if d and len(d) >= min(ks[i], SUFFIX_MIN_DRAFT):
-                out[i] = (d, ("suffix", kinds[i]))
+                out[i], kinds[i] = d, ("suffix", proposal.kinds[i])
                 self.num_suffix_drafts += 1
-        return out
+        return Proposal(out, kinds=kinds, receipt=proposal.receipt)
 
     def probe_cost(self, num_tokens: int) -> float:
         """Seconds a draft of ``num_tokens`` tokens costs the head for one request: a one-row
@@ -211,38 +217,20 @@ class Eagle3Proposer(BaseProposer):
         return time.perf_counter() - start
 
     def on_finished(self, request: Request) -> None:
-        self._state.pop(request.request_id, None)
-        self._undo.pop(request.request_id, None)
         if self.suffix is not None:
             self.suffix.on_finished(request)
 
-    def commit(self) -> None:
-        self._undo.clear()
-        if self.suffix is not None:
-            self.suffix.commit()
-
-    def rollback(self) -> None:
-        if self.suffix is not None:
-            self.suffix.rollback()
-        for rid, saved in self._undo.items():
-            if saved is None:
-                self._state.pop(rid, None)
-            else:
-                self._state[rid] = HeadState(*saved)
-        self._undo.clear()
-
     @property
     def num_tracked_requests(self) -> int:
-        return len(self._state)
+        return len(self.states)
 
     # ---- internals ----
     def _state_of(self, request: Request) -> HeadState:
+        """The request's head state, this step's own copy (created on first sight)."""
         rid = request.request_id
-        st = self._state.get(rid)
-        if rid not in self._undo:
-            self._undo[rid] = None if st is None else st.snapshot()
-        if st is None:
-            st = self._state[rid] = self._new_state()
+        if rid not in self.states:
+            self.states.set(rid, self._new_state())
+        st = self.states.edit(rid)
         if st.n == 0 and st.pending and st.pending[0][0] > 0:
             self._borrow_prefix(st, request.all_token_ids)
         st.tokens = request.all_token_ids
@@ -252,7 +240,7 @@ class Eagle3Proposer(BaseProposer):
         """Rows for positions ``[0, s)`` (``s``: the first position with tap states) from a live
         request whose head K/V covers them without a gap and whose tokens ``[0, s]`` agree."""
         s = st.pending[0][0]
-        for other in self._state.values():
+        for other in self.states.values():
             if other is st or other.tokens is None or other.n < s or other.n != other.next_pos:
                 continue
             if other.tokens[:s + 1] == tokens[:s + 1]:
