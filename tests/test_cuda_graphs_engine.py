@@ -1,5 +1,5 @@
 """The whole step loop over the CUDA-graph path, on CPU: EngineCore -> ModelRunner ->
-CUDAGraphRunner (replay driver) -> FlashInfer backend (stand-in) -> the real LlamaForCausalLM.
+CUDAGraphRunner (replay driver) -> FlashInfer backend (stand-in) -> the real DecoderLM.
 
 Greedy speculation whose draft counts vary from request to request and step to step (0..k, as
 n-gram and suffix drafts do) must produce exactly the tokens of plain decoding, with the

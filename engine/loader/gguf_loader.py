@@ -22,6 +22,7 @@ from tokenbudget.engine.loader.gguf_config import (
 )
 from tokenbudget.engine.loader.gguf_dequant import dequantize_tensor
 from tokenbudget.engine.loader.gguf_file import GGUFFile, read_gguf
+from tokenbudget.engine.loader.model_checks import check_gguf_model
 from tokenbudget.engine.loader.weight_quant import block_weight_type
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.text.gguf_tokenizer import build_gguf_tokenizer
@@ -77,6 +78,7 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
     ``ValueError`` for an unexpected tensor.
     """
     reader = read_gguf(path)
+    check_gguf_model(reader)  # metadata against the tensor shapes, before anything is dequantized
     meta = reader.metadata
     arch = str(meta.get("general.architecture", ""))
     tensors = {t.name: t for t in reader.tensors}

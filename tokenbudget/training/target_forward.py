@@ -1,4 +1,6 @@
-"""A plain PyTorch forward of a Llama-family target over whole sequences, for training data.
+"""The target's forward over whole sequences, for training data: the engine's own decoder layers
+(``DecoderLM.layer``, so every family the engine runs is trained on the same arithmetic rules) over
+a dense batch instead of the paged cache.
 
 It records what the EAGLE-3 head reads at serving time (Contract 2 of issue 27): for tap id ``i``
 the residual stream at the *input* of decoder layer ``i`` (= Hugging Face
@@ -15,35 +17,88 @@ import torch
 import torch.nn.functional as F
 
 from tokenbudget.engine.model.config import ModelConfig
-from tokenbudget.engine.model.rope import RotaryTable
+from tokenbudget.engine.model.decoder import DecoderLM, finish_logits
+from tokenbudget.kernels.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
 from tokenbudget.training.precision import autocast
+
+
+class _PlainLinear:
+    """``F.linear`` over the model's weight: autocast applies (the serving ``Linear`` runs oneDNN's
+    prepacked op, which it does not), and nothing is packed."""
+
+    __slots__ = ("weight", "bias")
+    row_multiple = 1  # training reads no bits across batches: no row padding
+
+    def __init__(self, lin) -> None:
+        self.weight, self.bias = lin.weight, lin.bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class DenseCausalAttention(AttentionBackend):
+    """Attention over ``B`` whole sequences of ``T`` rows each, flattened sequence-major: causal,
+    with the layer's sliding window and the spec's scale and soft-cap (the semantics of
+    ``kernels/attention/torch_ref.py``). K/V of the current layer are kept from ``write_kv``."""
+
+    name = "dense_causal"
+
+    def __init__(self, spec: AttentionSpec, batch: int, length: int) -> None:
+        super().__init__(spec)
+        self.b, self.t = batch, length
+        self.k = self.v = None
+
+    def build_metadata(self, qo_indptr, kv_lens, block_tables, slot_mapping) -> AttentionMetadata:
+        return AttentionMetadata(list(qo_indptr), list(kv_lens), block_tables, slot_mapping, qo_indptr[-1], None, self)
+
+    def write_kv(self, k, v, kv_cache, metadata) -> None:
+        self.k, self.v = k, v
+
+    def attend(self, q, kv_cache, metadata, window: int = 0, sinks=None) -> torch.Tensor:
+        s, (b, t) = self.spec, (self.b, self.t)
+        rep = s.num_heads // s.num_kv_heads
+
+        def heads(x: torch.Tensor, n: int) -> torch.Tensor:  # [B*T, n, D] -> [B, H, T, D]
+            return x.view(b, t, n, s.head_dim).repeat_interleave(rep if n != s.num_heads else 1, 2).transpose(1, 2)
+
+        qh, kh, vh = heads(q, s.num_heads), heads(self.k, s.num_kv_heads), heads(self.v, s.num_kv_heads)
+        i = torch.arange(t)
+        visible = i[None, :] <= i[:, None]
+        if window:
+            visible &= i[None, :] > i[:, None] - window
+        if s.logits_soft_cap is None and sinks is None:
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible, scale=s.softmax_scale)
+        else:
+            scores = (qh @ kh.transpose(-1, -2)) * s.softmax_scale
+            if s.logits_soft_cap is not None:
+                scores = torch.tanh(scores / s.logits_soft_cap) * s.logits_soft_cap
+            scores = scores.masked_fill(~visible, float("-inf"))
+            if sinks is not None:  # a per-head logit in each softmax's denominator, then dropped
+                sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(b, -1, t, 1)
+                probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+            else:
+                probs = scores.softmax(-1)
+            out = probs.to(vh.dtype) @ vh
+        return out.transpose(1, 2).reshape(b * t, s.num_heads, s.head_dim)
 
 
 class TapForward:
     """``__call__(ids [B, T]) -> (aux [B, T, len(taps) * H], final hidden [B, T, H] after the
     final norm, or None with ``final=False``: then the layers past the last tap are skipped)``;
-    ``logits(final)`` applies the LM head. ``precision`` (``training.precision``, resolved): the
-    matmuls' arithmetic; outputs are float32 either way."""
+    ``logits(final)`` applies the LM head (with the family's final scaling / soft-cap).
+    ``precision`` (``training.precision``, resolved): the matmuls' arithmetic; outputs are float32
+    either way."""
 
     def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], taps: tuple[int, ...],
                  precision: str = "float32"):
         if not taps or any(not 0 <= i < config.num_hidden_layers for i in taps) or list(taps) != sorted(taps):
             raise ValueError(f"taps: ascending layer ids in 0..{config.num_hidden_layers - 1}, got {taps}")
         self.config, self.taps, self.precision = config, tuple(taps), precision
-        self.w = {k: v.float() for k, v in state.items()}
-        self.embed = self.w["model.embed_tokens.weight"]
-        self.lm_head = self.w.get("lm_head.weight", self.embed)
-        c = config
-        self.head_dim = c.resolved_head_dim
-        self.rope = RotaryTable(self.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings,
-                                torch.float32, "cpu")
-
-    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
-
-    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        w = self.w[name + ".weight"]
-        return F.rms_norm(x, w.shape, w, self.config.rms_norm_eps)
+        self.model = DecoderLM(config, {k: v.float() for k, v in state.items()})
+        for lw in self.model.layers:
+            lw.map_linears(_PlainLinear)
+        self.embed = self.model.embed
+        self.lm_head = self.model.lm_head.weight
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, final: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -52,35 +107,25 @@ class TapForward:
         return aux.float(), None if out is None else out.float()
 
     def _forward(self, ids: torch.Tensor, final: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        c = self.config
+        m = self.model
         b, t = ids.shape
-        heads, kv, d = c.num_attention_heads, c.num_key_value_heads, self.head_dim
+        m.reserve_positions(t)
+        backend = DenseCausalAttention(self.config.attention_spec(1, torch.float32), b, t)
+        md = backend.build_metadata(list(range(0, b * t + 1, t)), [t] * b, [[] for _ in range(b)],
+                                    torch.empty(0, dtype=torch.long))
         positions = torch.arange(t).repeat(b)
-        cos, sin = self.rope.lookup(positions)
-        h = F.embedding(ids, self.embed)
+        rotations = {id(r): r.lookup(positions) for r in m.ropes.values()}
+        rotations[id(None)] = None  # a NoPE layer
+        h = m.embed_tokens(ids.reshape(-1))
         taps = []
-        for layer in range(c.num_hidden_layers):
+        for layer, lw in enumerate(m.layers):
             if layer in self.taps:
                 taps += [h] * self.taps.count(layer)  # a small target may tap one layer twice
                 if not final and layer == self.taps[-1]:
-                    return torch.cat(taps, dim=-1), None
-            p = f"model.layers.{layer}"
-            x = self._norm(h, p + ".input_layernorm").view(b * t, -1)
-            q = self._linear(x, p + ".self_attn.q_proj").view(b * t, heads, d)
-            k = self._linear(x, p + ".self_attn.k_proj").view(b * t, kv, d)
-            v = self._linear(x, p + ".self_attn.v_proj").view(b, t, kv, d)
-            q = self.rope.apply(q, cos, sin).view(b, t, heads, d)
-            k = self.rope.apply(k, cos, sin).view(b, t, kv, d)
-            rep = heads // kv
-            att = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.repeat_interleave(rep, 2).transpose(1, 2),
-                v.repeat_interleave(rep, 2).transpose(1, 2), is_causal=True)
-            h = h + self._linear(att.transpose(1, 2).reshape(b, t, heads * d), p + ".self_attn.o_proj")
-            x = self._norm(h, p + ".post_attention_layernorm")
-            h = h + self._linear(F.silu(self._linear(x, p + ".mlp.gate_proj")) * self._linear(x, p + ".mlp.up_proj"),
-                                 p + ".mlp.down_proj")
-        return torch.cat(taps, dim=-1), self._norm(h, "model.norm")
+                    return torch.cat(taps, dim=-1).view(b, t, -1), None
+            h = m.layer(lw, h, rotations[id(lw.rope)], md, None)
+        return torch.cat(taps, dim=-1).view(b, t, -1), m.rms_norm(h, m.norm, m.eps).view(b, t, -1)
 
     @torch.inference_mode()
     def logits(self, final: torch.Tensor) -> torch.Tensor:
-        return F.linear(final, self.lm_head)
+        return finish_logits(F.linear(final, self.lm_head), self.config)
