@@ -31,7 +31,8 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     from tokenbudget.spec.adaptive import AdaptiveSpecController
-    from tokenbudget.spec.cost_model import StepShape, synthetic_model
+    from tokenbudget.spec.cost_model import synthetic_model
+    from tokenbudget.spec.step_shape import StepShape
 
     rows, out = [], {}
     for b in args.batch_sizes:

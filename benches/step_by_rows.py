@@ -34,8 +34,8 @@ def main(argv=None) -> dict:
     from tokenbudget import LLM
     from tokenbudget.api.spec_config import SpeculativeConfig
     from tokenbudget.engine.drafters.factory import build_speculator
-    from tokenbudget.spec.cost_model import step_shape
     from tokenbudget.spec.speculator import Speculator
+    from tokenbudget.spec.step_shape import step_shape
 
     b = args.batch
     llm = LLM(num_threads=args.threads, enable_prefix_caching=False, max_model_len=1024 + args.max_tokens + 32,

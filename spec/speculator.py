@@ -36,9 +36,9 @@ from tokenbudget.api.spec_config import SpeculativeConfig
 from tokenbudget.scheduler.drafts import DraftBatch, draft_limit
 from tokenbudget.scheduler.output import EngineCoreOutput, SchedulerOutput
 from tokenbudget.scheduler.request import Request
-from tokenbudget.spec.cost_model import StepShape, request_attention, step_shape
 from tokenbudget.spec.metrics import SpecDecodingStats
 from tokenbudget.spec.proposer import CommittedStep, Proposal
+from tokenbudget.spec.step_shape import StepShape, request_attention, step_shape
 
 HEAD_KIND = "head"  # the controller's kind for a model drafter's drafts beside free ones (hybrid)
 

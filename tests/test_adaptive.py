@@ -16,8 +16,9 @@ from tokenbudget.api.spec_config import SpeculativeConfig
 from tokenbudget.scheduler.request import Request
 from tokenbudget.spec.acceptance import AcceptanceEstimator
 from tokenbudget.spec.adaptive import AdaptiveSpecController
-from tokenbudget.spec.cost_model import StepShape, request_attention, synthetic_model
+from tokenbudget.spec.cost_model import synthetic_model
 from tokenbudget.spec.draft_lengths import optimal_draft_lengths
+from tokenbudget.spec.step_shape import StepShape, request_attention
 
 
 def _e(row, k):

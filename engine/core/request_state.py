@@ -21,7 +21,9 @@ from operator import attrgetter
 from tokenbudget.api.outputs import Logprob
 from tokenbudget.api.sampling_params import SamplingParams
 from tokenbudget.engine.text.detokenizer import IncrementalDetokenizer
+from tokenbudget.scheduler.output import EngineCoreOutput
 from tokenbudget.scheduler.request import Request, RequestStatus
+from tokenbudget.scheduler.stop import end_at
 
 
 @dataclass(slots=True, eq=False)
@@ -72,3 +74,56 @@ def text_drops_stop_token(state: RequestState, status: RequestStatus | None, sto
             or state.params.include_stop_str_in_output):
         return False
     return last_token == stop_reason if stop_reason is not None else last_token == state.request.eos_token_id
+
+
+def add_text(state: RequestState, entry: EngineCoreOutput) -> IncrementalDetokenizer:
+    """The step's tokens into the text, and its stop strings; the detokenizer, for the output."""
+    text_before = state.detok_state
+    detok = state.detokenizer()
+    text_ids = entry.new_token_ids
+    if text_drops_stop_token(state, entry.finish_status, entry.stop_reason, text_ids[-1]):
+        text_ids = text_ids[:-1]
+    detok.add_tokens(text_ids)
+    if state.params.stop:
+        _check_stop_strings(state, entry, detok, text_before)
+    state.keep_text()
+    return detok
+
+
+def _check_stop_strings(state: RequestState, entry: EngineCoreOutput, detok: IncrementalDetokenizer,
+                        text_before: tuple) -> None:
+    """End the request at the first stop string, keeping only the tokens up to the one that
+    completed it (found by replaying this step's tokens one at a time from ``text_before``,
+    the detokenizer's value before them).
+
+    As vLLM (its #21987): stop strings count only once the output is longer than
+    ``min_tokens``; the text of the first ``min_tokens`` outputs is never searched (a stop
+    string may still start in it and end after it)."""
+    params = state.params
+    stop, include = params.stop, params.include_stop_str_in_output
+    new = entry.new_token_ids
+    num_before = state.request.num_output_tokens  # committed before this step
+    if num_before + len(new) <= params.min_tokens:
+        detok.check_stop((), include)  # marks this text as searched
+        return
+    if num_before >= params.min_tokens:
+        matched, _ = detok.check_stop(stop, include)
+        if matched is None:
+            return
+    keep = len(new)
+    if keep > 1 or num_before < params.min_tokens:
+        detok.restore(text_before)
+        matched = None
+        for keep in range(1, len(new) + 1):
+            detok.add_tokens(new[keep - 1:keep])
+            matched, _ = detok.check_stop(stop if num_before + keep > params.min_tokens else (), include)
+            if matched is not None:
+                break
+        if matched is None:
+            return
+        drop = len(new) - keep
+        if drop and state.logprobs is not None and entry.new_logprobs:
+            for lp in entry.new_logprobs[keep:]:
+                state.cumulative_logprob -= float(lp.logprob)
+            state.logprobs = state.logprobs[:len(state.logprobs) - drop]
+    end_at(entry, keep, RequestStatus.FINISHED_STOPPED, matched)

@@ -33,17 +33,11 @@ Transactions: the drafter state of each request is a record of ``states`` (a ``R
 edited in this step's own copy, so a failed step leaves the records as they were (and the drafter
 KV they describe was not overwritten: a step only writes positions at or past them).
 
-Measured (self_draft on SmolLM2-135M-Instruct Q4_1, 30 layers, greedy, k = 4, 5 chat prompts,
-max_tokens 64, 187 tokens; outputs identical to plain decoding in every row):
-
-    draft_num_layers   4      8      15     22     27     30
-    alpha              0.004  0.006  0.025  0.078  0.287  1.000
-    tau                1.02   1.02   1.10   1.30   2.14   4.89
-
 The first N layers + final norm + lm head of an untrained model ("logit lens") predict the
-next token poorly until N is close to L; self-drafting pays off only with a model trained for
-early exit (LayerSkip) or with an adapter. N = L accepting everything is the check that the
-drafter's KV bookkeeping is exact.
+next token poorly until N is close to L (acceptance by N: benches/RESULTS.md, "Figures behind
+decisions in the source"); self-drafting pays off only with a model trained for early exit
+(LayerSkip) or with an adapter. N = L accepting everything is the check that the drafter's KV
+bookkeeping is exact.
 """
 
 from __future__ import annotations

@@ -71,6 +71,54 @@ class HeadState:
             return start + rows.shape[0]
         return self.next_pos
 
+    def queue(self, start: int, rows: torch.Tensor, max_rows: int) -> None:
+        """Queue the tap rows of positions ``start ..`` (a committed step's), skipping the ones
+        already queued or run (a recompute after preemption brings the same rows) and dropping
+        the oldest past ``max_rows`` (a long stretch without drafting: a gap, like a cache hit)."""
+        skip = max(0, self.covered - start)
+        if skip >= rows.shape[0]:
+            return
+        pending = self.pending + ((start + skip, rows[skip:]),)
+        total = self.pending_rows + rows.shape[0] - skip
+        excess = total - max_rows
+        while excess > 0:
+            first, piece = pending[0]
+            cut = min(excess, piece.shape[0])
+            pending = ((first + cut, piece[cut:]),) + pending[1:] if cut < piece.shape[0] else pending[1:]
+            excess -= cut
+            total -= cut
+        self.pending, self.pending_rows = pending, total
+
+
+def catch_up_rounds(states: dict[int, HeadState], max_rows: int):
+    """The queued tap rows of ``states`` (request index -> state, taken off their queues) in rounds
+    of at most ``max_rows`` rows, one piece ``(index, start, rows)`` per request in a round (a
+    piece sees its request's K/V from earlier rounds, so a request's pieces never share one)."""
+    runs: list[list] = []   # [i, start, end, pieces]: contiguous pieces, concatenated once
+    for i, st in states.items():
+        for start, rows in st.pending:
+            if runs and runs[-1][0] == i and runs[-1][2] == start:
+                runs[-1][2] += rows.shape[0]
+                runs[-1][3].append(rows)
+            else:
+                runs.append([i, start, start + rows.shape[0], [rows]])
+        st.pending, st.pending_rows = (), 0
+    queue = [(i, start, pieces[0] if len(pieces) == 1 else torch.cat(pieces)) for i, start, _, pieces in runs]
+    while queue:
+        budget, round_, later, taken = max_rows, [], [], set()
+        for i, start, rows in queue:
+            if budget <= 0 or i in taken:
+                later.append((i, start, rows))
+                continue
+            n = min(rows.shape[0], budget)
+            round_.append((i, start, rows[:n]))
+            taken.add(i)
+            budget -= n
+            if n < rows.shape[0]:
+                later.append((i, start + n, rows[n:]))
+        queue = later
+        yield round_
+
 
 def segment_attend(segments, last_only: bool = False):
     """``attend`` for rows grouped by request: ``segments[s] = (state, at, n)``: the next ``n`` rows
@@ -98,8 +146,9 @@ SMALL_QUERY = 64  # rows up to which attention is two small matmuls rather than 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: int) -> torch.Tensor:
     """``q [n, heads, D]`` (positions ``at .. at + n - 1``) over ``k, v [at + n, kv_heads, D]``,
     causal. Few query rows (every draft step, a verify's catch-up) go through two batched matmuls
-    per KV head group: SDPA's CPU kernel costs milliseconds of thread start-up for one query row
-    (measured 2.6 ms vs 0.07 ms at 400 keys, 2 threads), more than the head's whole layer."""
+    per KV head group: SDPA's CPU kernel costs milliseconds of thread start-up for one query row,
+    more than the head's whole layer (benches/RESULTS.md, "Figures behind decisions in the
+    source")."""
     n, heads, d = q.shape
     kv_heads = k.shape[1]
     if n > SMALL_QUERY:

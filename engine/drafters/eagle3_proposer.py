@@ -47,11 +47,7 @@ draft; one of at least ``SUFFIX_MIN_DRAFT`` tokens (or the whole k) means the te
 probabilities (the coupled rule verifies it). The head still catches up on every committed
 position, so it drafts the next step where the repetition stops.
 
-Logits: the head's draft-vocabulary logits are scattered into the target vocabulary through
-``d2t``; ids outside the draft vocabulary get ``OUTSIDE`` (finite, so a row the request's bans
-leave with only non-draft ids still has a token and is never taken for a request fault). Then the
-shared model-drafter sampling (``engine.drafters.draft_sampling``): q for rejection sampling is the
-head's own distribution.
+Sampling the head's drafts: ``engine.drafters.eagle3_sampling``.
 """
 
 from __future__ import annotations
@@ -61,8 +57,9 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from tokenbudget.engine.drafters.draft_sampling import sample_drafts, wants_probs
-from tokenbudget.engine.drafters.eagle3_kv import HeadState, segment_attend
+from tokenbudget.engine.drafters.draft_sampling import wants_probs
+from tokenbudget.engine.drafters.eagle3_kv import HeadState, catch_up_rounds, segment_attend
+from tokenbudget.engine.drafters.eagle3_sampling import HeadSampler
 from tokenbudget.engine.model.eagle3 import Eagle3Head
 from tokenbudget.engine.worker.threads import intra_op_threads
 from tokenbudget.request_table import RequestTable
@@ -70,7 +67,6 @@ from tokenbudget.scheduler.drafts import draft_limit
 from tokenbudget.scheduler.request import Request
 from tokenbudget.spec.proposer import BaseProposer, CommittedStep, Proposal
 
-OUTSIDE = -1e30  # logit of a target id outside the draft vocabulary
 # Committed tap rows kept per request before the oldest are dropped (a gap, like a cache hit). A
 # prompt's rows wait one step; only a request the controller keeps at k = 0 for long queues more
 # (4096 rows x 3 x hidden, in the head's dtype: 28 MB for the default model).
@@ -93,10 +89,9 @@ class Eagle3Proposer(BaseProposer):
         self.cpu_forward = cpu_forward
         self.max_model_len = max_model_len
         self.max_batch_tokens = max_batch_tokens
-        c = head.config
         w = head.fc.weight
         self.dtype, self.device = w.dtype, w.device
-        self._target_ids = head.to_target_ids(torch.arange(c.draft_vocab_size, device=self.device))
+        self._sampler = HeadSampler(head, self.device)
         self.states: RequestTable[HeadState] = RequestTable("eagle3 head state")
         self.tables = (self.states,) + (tuple(suffix.tables) if suffix is not None else ())
         self._threads = torch.get_num_threads()  # the engine's intra-op threads (propose runs on fewer)
@@ -122,20 +117,7 @@ class Eagle3Proposer(BaseProposer):
                 rows = rows.to(self.dtype)
             if sr.request_id not in self.states:
                 self.states.set(sr.request_id, self._new_state())
-            st = self.states.edit(sr.request_id)
-            skip = max(0, st.covered - start)  # a recompute after preemption: those rows are queued or run
-            if skip >= valid:
-                continue
-            pending = st.pending + ((start + skip, rows[skip:]),)
-            total = st.pending_rows + valid - skip
-            excess = total - MAX_PENDING_ROWS  # a long stretch without drafting
-            while excess > 0:
-                first, rows = pending[0]
-                cut = min(excess, rows.shape[0])
-                pending = ((first + cut, rows[cut:]),) + pending[1:] if cut < rows.shape[0] else pending[1:]
-                excess -= cut
-                total -= cut
-            st.pending, st.pending_rows = pending, total
+            self.states.edit(sr.request_id).queue(start, rows, MAX_PENDING_ROWS)
 
     # ---- Proposer interface ----
     @torch.inference_mode()
@@ -168,7 +150,7 @@ class Eagle3Proposer(BaseProposer):
         active = [i for i in active if states[i].last_pos == requests[i].num_tokens - 2]
         if active:
             logits = torch.stack([states[i].last_logits for i in active])
-            self._sample(logits, requests, active, drafts, probs, [states[i].last_greedy for i in active])
+            self._sampler.sample(logits, requests, active, drafts, probs, [states[i].last_greedy for i in active])
             hidden = {i: states[i].last_h for i in active}
             for i in active:
                 states[i].reserve(ks[i] - 1)  # the draft steps' K/V: scratch rows past n
@@ -180,7 +162,7 @@ class Eagle3Proposer(BaseProposer):
                 for r, i in enumerate(rows):
                     hidden[i] = h[r]
                 self.num_draft_forward_tokens += len(rows)
-                self._sample(out, requests, rows, drafts, probs, greedy)
+                self._sampler.sample(out, requests, rows, drafts, probs, greedy)
         return Proposal(drafts, [torch.stack(p) if p else None for p in probs], receipt=receipt)
 
     def free_drafts(self, requests: Sequence[Request], caps: Sequence[int]) -> Proposal:
@@ -252,29 +234,7 @@ class Eagle3Proposer(BaseProposer):
         """Run every queued tap row of ``states`` in rounds of at most ``max_batch_tokens`` rows,
         each round one head forward over one piece per request (a piece sees the request's K/V
         from earlier rounds, so a request's pieces never share a round)."""
-        runs: list[list] = []   # [i, start, end, pieces]: contiguous pieces, concatenated once
-        for i, st in states.items():
-            for start, rows in st.pending:
-                if runs and runs[-1][0] == i and runs[-1][2] == start:
-                    runs[-1][2] += rows.shape[0]
-                    runs[-1][3].append(rows)
-                else:
-                    runs.append([i, start, start + rows.shape[0], [rows]])
-            st.pending, st.pending_rows = (), 0
-        queue = [(i, start, pieces[0] if len(pieces) == 1 else torch.cat(pieces)) for i, start, _, pieces in runs]
-        while queue:
-            budget, round_, later, taken = self.max_batch_tokens, [], [], set()
-            for i, start, rows in queue:
-                if budget <= 0 or i in taken:
-                    later.append((i, start, rows))
-                    continue
-                n = min(rows.shape[0], budget)
-                round_.append((i, start, rows[:n]))
-                taken.add(i)
-                budget -= n
-                if n < rows.shape[0]:
-                    later.append((i, start + n, rows[n:]))
-            queue = later
+        for round_ in catch_up_rounds(states, self.max_batch_tokens):
             self._run_round(requests, states, round_)
 
     def _run_round(self, requests: Sequence[Request], states: dict[int, HeadState], pieces) -> None:
@@ -330,37 +290,6 @@ class Eagle3Proposer(BaseProposer):
         c = self.head.config
         return HeadState.empty(c.num_key_value_heads, c.head_dim, self.dtype, self.device)
 
-    def _sample(self, draft_logits: torch.Tensor, requests, rows: list[int], drafts, probs,
-                greedy: list[int | None] | None = None) -> None:
-        """Plain greedy rows (no bans, bias, processors or penalties) take the argmax over the
-        draft vocabulary directly (the same token as the argmax of the scattered row: ``OUTSIDE``
-        never wins), ``greedy[r]`` where the forward gave it; the others go through the shared
-        model-drafter sampling on the target vocabulary."""
-        plain = [r for r, i in enumerate(rows) if _plain_greedy(requests[i])]
-        if plain and greedy is not None and all(greedy[r] is not None for r in plain):
-            for r in plain:
-                drafts[rows[r]].append(greedy[r])
-        elif plain:
-            idx = torch.tensor(plain, dtype=torch.long, device=draft_logits.device)
-            for r, t in zip(plain, self.head.to_target_ids(draft_logits[idx].argmax(dim=-1)).tolist()):
-                drafts[rows[r]].append(t)
-        if len(plain) == len(rows):
-            return
-        rest = [r for r in range(len(rows)) if r not in set(plain)]
-        idx = torch.tensor(rest, dtype=torch.long, device=draft_logits.device)
-        sample_drafts(self._target_logits(draft_logits[idx]), requests, [rows[r] for r in rest], drafts, probs)
-
-    def _target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """``[T, V_draft]`` -> fp32 ``[T, V]`` (``OUTSIDE`` where the draft vocabulary has no id)."""
-        out = torch.full((draft_logits.shape[0], self.head.config.vocab_size), OUTSIDE,
-                         dtype=torch.float32, device=draft_logits.device)
-        out[:, self._target_ids] = draft_logits.to(torch.float32)
-        return out
-
 
 SMALL_WORK = 16  # requests (draft steps) or catch-up rows up to which the head runs on one CPU thread
 
-
-def _plain_greedy(request: Request) -> bool:
-    params = request.sampling_params
-    return (params is None or (params.is_greedy and not params.needs_row_preparation)) and not request.min_tokens_banned

@@ -26,9 +26,8 @@ once the engine is dead every stream and every later call raises ``EngineDeadErr
 Figures: after every step the worker thread takes an ``EngineStats`` snapshot; ``get_stats()``
 answers from it while the loop runs (the event loop never reads the engine mid-step). Admission
 control (``max_queued_requests`` / ``max_queued_tokens``) counts the waiting requests of that
-snapshot plus the requests accepted since (``_transit``, cleared once a snapshot includes them; both
-under ``_inbox_lock``):
-``add_request`` raises ``EngineOverloadedError`` past either bound.
+snapshot plus the requests accepted since (``_transit``, cleared once a snapshot includes them;
+both under ``_inbox_lock``): ``add_request`` raises ``EngineOverloadedError`` past either bound.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 
@@ -49,20 +48,10 @@ from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
 from tokenbudget.engine.core.prompts import PromptInput
 from tokenbudget.engine.core.stats import EngineStats, check_admission
 from tokenbudget.engine.entrypoints.llm_engine import LLMEngine
-from tokenbudget.engine.entrypoints.stream import RequestStream
+from tokenbudget.engine.entrypoints.stream import PreparedRequest, RequestStream
 from tokenbudget.request_table import RequestTable
 
 logger = logging.getLogger("tokenbudget")
-
-
-class PreparedRequest(NamedTuple):
-    """A request validated and tokenized by ``AsyncLLM.make_request``, not yet queued."""
-
-    request_id: str
-    kind: RequestOutputKind
-    text: str | None
-    request: Any  # scheduler.request.Request
-    arrival: float
 
 
 class AsyncLLM:
