@@ -131,9 +131,14 @@ class AsyncLLM:
                 self.abort(stream.request_id)
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
-             request_id: str | None = None, add_generation_prompt: bool = True) -> RequestStream:
-        """``add_request`` with the model's chat template applied to ``messages``."""
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+             request_id: str | None = None, add_generation_prompt: bool = True, *,
+             continue_final_message: bool = False, chat_template: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> RequestStream:
+        """``add_request`` with the model's chat template applied to ``messages`` (the arguments
+        as ``LLM.chat``'s; a bad template, kwargs or limit raises ValueError here)."""
+        prompt = self.tokenizer.chat_prompt(messages, add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message,
+                                            chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
         return self.add_request(request_id, prompt, sampling_params)
 
     def abort(self, request_id: str) -> None:

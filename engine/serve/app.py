@@ -134,10 +134,7 @@ class OpenAIServer:
         if chat:
             messages = proto.chat_messages(req)
             self._check_prompt_bytes(b"".join(m["content"].encode("utf-8", "surrogatepass") for m in messages), field)
-            try:
-                prompt = self.llm.tokenizer.apply_chat_template(messages)
-            except ValueError as exc:
-                raise proto.ProtocolError(str(exc), "messages") from None
+            prompt = proto.chat_prompt(self.llm.tokenizer, req, messages)
         else:
             prompt = proto.completion_prompt(req)
             if isinstance(prompt, str):
