@@ -108,18 +108,15 @@ class CpuForwardModel:
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
-                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
+                 kv_caches: list[torch.Tensor], aux_layers: tuple[int, ...] | None = None):
+        """The model's forward contract, taps included (``(hidden, aux)`` with ``aux_layers``,
+        ``engine/model/aux_states.py``), whichever path runs."""
         m = self.model
         if self.cpu_forward is not None and self.cpu_forward.accepts(kv_caches):
-            m.aux_hidden_states = None
-            x, m.aux_hidden_states = self.cpu_forward(input_ids, positions, attn_metadata, kv_caches, m.aux_layers)
-            return rms_norm(x, m.norm, m.eps)
-        return m(input_ids, positions, attn_metadata, kv_caches)
-
-    def set_aux_layers(self, ids) -> None:
-        """Taps on both paths (``engine/model/aux_states.py``); the states are the model's
-        ``aux_hidden_states``, whichever path ran."""
-        self.model.set_aux_layers(ids)
+            x, aux = self.cpu_forward(input_ids, positions, attn_metadata, kv_caches, aux_layers)
+            hidden = rms_norm(x, m.norm, m.eps)
+            return (hidden, aux) if aux_layers else hidden
+        return m(input_ids, positions, attn_metadata, kv_caches, aux_layers=aux_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
