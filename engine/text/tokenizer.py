@@ -142,7 +142,9 @@ class Tokenizer:
         """Token ids of ``text``; special tokens spelled in the text are always recognised."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode does not): a long text tokenized in
+        # a server's preparation thread must not stop its event loop and step thread.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; incomplete UTF-8 sequences decode to U+FFFD."""
