@@ -105,13 +105,17 @@ def collect_stats(core) -> EngineStats:
         generation_tokens_per_s=core.throughput.rate())
 
 
-def check_admission(config, num_queued: int, num_queued_tokens: int, num_prompt_tokens: int) -> None:
-    """Raise ``EngineOverloadedError`` when one more request of ``num_prompt_tokens`` would take
-    the queue past ``config.max_queued_requests`` / ``max_queued_tokens``."""
+def check_admission(config, num_queued: int, num_queued_tokens: int, num_prompt_tokens: int,
+                    num_requests: int = 1) -> None:
+    """Raise ``EngineOverloadedError`` when ``num_requests`` more requests of ``num_prompt_tokens``
+    each (the children of an ``n > 1`` request: each waits and runs as one) would take the queue
+    past ``config.max_queued_requests`` / ``max_queued_tokens``. A request that would wait alone
+    is always admitted."""
     max_requests, max_tokens = config.max_queued_requests, config.max_queued_tokens
-    if max_requests is not None and num_queued + 1 > max_requests:
-        raise EngineOverloadedError(f"the engine is overloaded: {num_queued} requests are queued "
-                                    f"(max_queued_requests={max_requests}); retry later")
-    if max_tokens is not None and num_queued and num_queued_tokens + num_prompt_tokens > max_tokens:
+    if max_requests is not None and num_queued and num_queued + num_requests > max_requests:
+        raise EngineOverloadedError(f"the engine is overloaded: {num_queued} requests are queued and this one "
+                                    f"adds {num_requests} (max_queued_requests={max_requests}); retry later")
+    tokens = num_prompt_tokens * num_requests
+    if max_tokens is not None and num_queued and num_queued_tokens + tokens > max_tokens:
         raise EngineOverloadedError(f"the engine is overloaded: {num_queued_tokens} prompt tokens are queued and this "
-                                    f"request has {num_prompt_tokens} (max_queued_tokens={max_tokens}); retry later")
+                                    f"request adds {tokens} (max_queued_tokens={max_tokens}); retry later")

@@ -113,17 +113,18 @@ class AsyncLLM:
         if rid in self._streams:
             raise ValueError(f"duplicate request_id {rid!r}: a request with this id is still running")
         loop = asyncio.get_running_loop()
+        n = request.sampling_params.n  # each child waits and runs as one request
         if self.engine.config.admission_control:
             stats = self.get_stats()
             with self._inbox_lock:
                 n_transit, tokens_transit = self._transit
             check_admission(self.engine.config, stats.num_waiting + n_transit,
-                            stats.num_waiting_tokens + tokens_transit, request.num_prompt_tokens)
-        stream = RequestStream(rid, prepared.kind, self.abort, request.sampling_params.n, loop=loop)
+                            stats.num_waiting_tokens + tokens_transit, request.num_prompt_tokens, n)
+        stream = RequestStream(rid, prepared.kind, self.abort, n, loop=loop)
         self._streams[rid] = stream
         with self._inbox_lock:
-            self._transit[0] += 1
-            self._transit[1] += request.num_prompt_tokens
+            self._transit[0] += n
+            self._transit[1] += request.num_prompt_tokens * n
             self._pending_adds.append((request, prepared.text, prepared.arrival))
         self._ensure_loop()
         return stream
@@ -239,8 +240,8 @@ class AsyncLLM:
                         outputs, rejected = self._step(adds, aborts)
                 finally:  # the snapshot counts them now (or they are gone)
                     with self._inbox_lock:
-                        self._transit[0] -= len(adds)
-                        self._transit[1] -= sum(r.num_prompt_tokens for r, _, _ in adds)
+                        self._transit[0] -= sum(r.sampling_params.n for r, _, _ in adds)
+                        self._transit[1] -= sum(r.num_prompt_tokens * r.sampling_params.n for r, _, _ in adds)
                 self._dispatch([(rid, None, exc) for rid, exc in rejected]
                                + [(out.request_id, out, None) for out in outputs])
                 with self._inbox_lock:

@@ -89,7 +89,8 @@ class LLMEngine:
         text, request = self.make_request(request_id, prompt, sampling_params, priority)
         if self.config.admission_control:
             stats = self.core.get_stats()
-            check_admission(self.config, stats.num_waiting, stats.num_waiting_tokens, request.num_prompt_tokens)
+            check_admission(self.config, stats.num_waiting, stats.num_waiting_tokens, request.num_prompt_tokens,
+                            request.sampling_params.n)
         self.add_made_request(request, text)
 
     def add_made_request(self, request, prompt_text: str | None = None, arrival_time: float | None = None) -> None:
