@@ -48,6 +48,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # CPU milliseconds one request's grammar masks may take in one step (its first mask: at
     # admission); past it that request fails alone (engine/structured/manager.py).
     max_grammar_mask_ms: float = 10.0
+    # CPU milliseconds the grammar masks of all requests may take together in one step; past it
+    # the costliest wait for a later step (engine/structured/mask_budget.py).
+    max_batch_grammar_mask_ms: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -61,9 +64,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
         if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no cap, got {self.max_logprobs!r}")
-        if (not isinstance(self.max_grammar_mask_ms, (int, float)) or isinstance(self.max_grammar_mask_ms, bool)
-                or not self.max_grammar_mask_ms > 0):
-            raise ValueError(f"max_grammar_mask_ms must be a positive number, got {self.max_grammar_mask_ms!r}")
+        for name in ("max_grammar_mask_ms", "max_batch_grammar_mask_ms"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ValueError(f"{name} must be a positive number, got {v!r}")
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold!r}")
         for name in ("cuda_graphs", "deterministic"):

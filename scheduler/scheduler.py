@@ -133,8 +133,10 @@ class Scheduler:
             request = previous[i]
             request.spec_token_ids, request.spec_probs = previous[i + 1], previous[i + 2]
 
-    def schedule(self, only: Collection[str] | None = None) -> SchedulerOutput:
-        """This step's batch. ``only``: schedule just these request ids (fault isolation)."""
+    def schedule(self, only: Collection[str] | None = None, skip: Collection[str] = ()) -> SchedulerOutput:
+        """This step's batch. ``only``: schedule just these request ids (fault isolation);
+        ``skip``: leave these out of this step (structured requests waiting for their share of
+        the grammar-mask budget), running or waiting."""
         journal = self._journal
         assert journal is not None, "schedule() outside begin_step()"
         cfg = self.config
@@ -154,7 +156,7 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            if only is not None and request.request_id not in only:
+            if (only is not None and request.request_id not in only) or request.request_id in skip:
                 i += 1
                 continue
             computed = request.num_computed_tokens
@@ -185,7 +187,7 @@ class Scheduler:
             budget -= n
             i += 1
         if not preempted:
-            budget = self._admit_waiting(budget, scheduled, only)
+            budget = self._admit_waiting(budget, scheduled, only, skip)
         out.total_num_scheduled_tokens = cfg.max_num_batched_tokens - budget
         return out
 
@@ -198,9 +200,11 @@ class Scheduler:
                 requests[sr.request_id].num_computed_tokens = sr.num_computed_tokens
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest],
-                       only: Collection[str] | None) -> int:
+                       only: Collection[str] | None, skip: Collection[str]) -> int:
         cfg, kv, waiting, running = self.config, self.kv, self.waiting, self.running
-        candidates = _heads(waiting) if only is None else [r for r in waiting if r.request_id in only]
+        in_order = only is None and not skip  # else some are passed over: taken out of the queue by id
+        candidates = _heads(waiting) if in_order else [
+            r for r in waiting if (only is None or r.request_id in only) and r.request_id not in skip]
         for request in candidates:
             if budget <= 0 or len(running) >= cfg.max_num_seqs:
                 break
@@ -219,7 +223,7 @@ class Scheduler:
                 break
             if kv.looks_up(request):
                 kv.record_prefix_lookup(request.num_tokens, num_hit)
-            position = waiting.remove(request) if only is not None else _pop_head(waiting)
+            position = _pop_head(waiting) if in_order else waiting.remove(request)
             self._journal.record(self._undo_admit, request, position, request.status, request.num_cached_tokens)
             request.status = RUNNING
             request.num_computed_tokens = num_hit

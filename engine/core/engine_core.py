@@ -4,10 +4,11 @@
 drive this one object; what differs between them (a real or a fake runner, a tokenizer or none)
 is what they pass in. One step:
 
+    skip   = structured.plan_step()                   # (once a step) grammar requests past their mask share
     drafts = speculator.propose(scheduler)            # drafts (+ probabilities) for decoding requests
     drafts = structured.trim_drafts(drafts)           #   cut at the first token a grammar forbids
     scheduler.add_drafts(drafts)                      #   cut to draft_limit
-    sched  = scheduler.schedule()                     # token budget; counters advance optimistically
+    sched  = scheduler.schedule(skip=skip)            # token budget; counters advance optimistically
     sched.grammar_bitmask = structured.grammar_bitmask(sched)  # masks of the sampling rows
     result = runner.execute(sched)                    # one forward + masks applied + sampling/verification
     plan   = scheduler.plan_update(sched, result)     # what the step commits; changes nothing
@@ -22,6 +23,11 @@ allowed) name the requests they belong to. The step is rolled back, exactly thos
 with ``finish_reason="error"`` and the step runs again without them. They are never retried,
 never isolated by halving and never counted towards ``max_failed_steps``: whatever a request
 asks for, it can only end itself. Every other exception is an *engine fault*, handled below.
+
+**The grammar-mask budget** (``engine.structured.mask_budget``): the structured requests whose
+share of the step's mask CPU is used up sit the step out (``skip``); a ``MaskDeferral`` (the
+budget ran out while masks were made) rolls the attempt back like a request fault and runs it
+again with those requests left out too. Neither ends nor blames anyone.
 
 Everything before the commit either changes nothing or journals its changes, so when anything
 there raises (model, sampler, proposer, a kernel, the detokenizer) the step is rolled back:
@@ -67,6 +73,7 @@ from tokenbudget.engine.core.output_processor import OutputProcessor
 from tokenbudget.engine.core.parallel_sampling import ParentRequest
 from tokenbudget.engine.core.stats import EngineStats, ThroughputMeter, collect_stats
 from tokenbudget.engine.structured.manager import StructuredOutputs
+from tokenbudget.engine.structured.mask_budget import MaskDeferral
 from tokenbudget.scheduler.output import EngineCoreOutput, SchedulerOutput
 from tokenbudget.scheduler.request import Request, RequestStatus
 from tokenbudget.scheduler.request_fault import RequestFault, short
@@ -99,6 +106,7 @@ class EngineCore:
         self._participants: set[str] = set()
         self._step_clock = 0.0  # perf_counter() when the current attempt began
         self._fault_outputs: list[RequestOutput] = []  # this step's requests ended by a RequestFault
+        self._skip: frozenset[str] = frozenset()  # this step's structured requests waiting for mask budget
 
     # ------------------------------------------------------------------ requests (between steps)
     def add_request(self, request: Request, prompt: str | None = None, arrival_time: float | None = None) -> None:
@@ -169,6 +177,7 @@ class EngineCore:
             return []
         self._progress = False
         self._fault_outputs = []
+        self._skip = self.structured.plan_step()
         try:
             outputs = self._try(None)
         except EngineDeadError:
@@ -194,7 +203,7 @@ class EngineCore:
             with deferred_sigint():
                 if drafts is not None:
                     scheduler.add_drafts(structured.trim_drafts(drafts))
-                sched = scheduler.schedule(only)
+                sched = scheduler.schedule(only, self._skip)
             participants.update(sr.request_id for sr in sched.scheduled)
             sched.grammar_bitmask = structured.grammar_bitmask(sched)
             dirty = True
@@ -239,14 +248,17 @@ class EngineCore:
 
     # ------------------------------------------------------------------ faults
     def _try(self, only: Collection[str] | None) -> list[RequestOutput]:
-        """One attempt (again without the requests a ``RequestFault`` ended, which count as no
-        failure); counts engine faults and notes progress (an attempt that ran something)."""
+        """One attempt (again without the requests a ``RequestFault`` ended or a ``MaskDeferral``
+        left out, which count as no failure); counts engine faults and notes progress (an attempt
+        that ran something)."""
         while True:
             try:
                 outputs = self._attempt(only)
                 break
             except RequestFault as fault:
                 self._end_faulted(fault)
+            except MaskDeferral as deferral:
+                self._skip = self._skip | deferral.request_ids
             except EngineDeadError:
                 raise
             except Exception as fault:
