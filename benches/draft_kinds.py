@@ -32,8 +32,8 @@ def score(proposer, prompt: list[int], output: list[int], k: int, stats: dict) -
     req = Request("r", list(prompt), max_tokens=10**6)
     for t in range(len(output) - 1):
         req.all_token_ids = list(prompt) + list(output[:t + 1])
-        (draft,) = proposer.propose([req], [k])
-        (kind,) = proposer.take_draft_kinds()
+        proposal = proposer.propose([req], [k])
+        (draft,), (kind,) = proposal.token_ids, proposal.kinds
         if not draft:
             continue
         truth = output[t + 1:t + 1 + len(draft)]

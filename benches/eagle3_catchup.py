@@ -34,7 +34,7 @@ def main(argv=None) -> dict:
     import torch
 
     from tokenbudget import LLM
-    from tokenbudget.engine.worker.eagle3_kv import HeadState, segment_attend
+    from tokenbudget.engine.drafters.eagle3_kv import HeadState, segment_attend
 
     llm = LLM(num_threads=args.threads, speculative_config={"method": "eagle3", "num_speculative_tokens": 1})
     prop = llm.engine.speculator.proposer

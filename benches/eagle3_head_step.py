@@ -36,7 +36,7 @@ def one_step_micro(proposer, context: int = 300, rounds: int = 300) -> list[dict
 
     import torch
 
-    from tokenbudget.engine.worker.eagle3_kv import HeadState, segment_attend
+    from tokenbudget.engine.drafters.eagle3_kv import HeadState, segment_attend
 
     head, embed, c_forward = proposer.head, proposer.embed, proposer.cpu_forward
     c = head.config

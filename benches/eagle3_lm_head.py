@@ -60,9 +60,9 @@ def main(argv=None) -> dict:
 
     import torch
 
+    from tokenbudget.engine.drafters.eagle3_build import shipped_head_dir
     from tokenbudget.engine.model.eagle3 import load_eagle3
     from tokenbudget.engine.model.eagle3_cpu import quantize_head
-    from tokenbudget.engine.worker.eagle3_build import shipped_head_dir
     from tokenbudget.training.evaluate import acceptance
     from tokenbudget.training.features import FeatureSet
 

@@ -2,7 +2,7 @@
 
 For each linear shape of the default model (SmolLM2-135M: hidden 576, intermediate 1536, vocab
 49152) and each M in 1, 4, 5, 8, 64 (rows padded to the kernel's ``row_multiple`` like
-``LlamaForCausalLM``: 4 for fp32, none for the quantized kernels, whose rows are invariant at any
+``DecoderLM``: 4 for fp32, none for the quantized kernels, whose rows are invariant at any
 M): median ms per call, and whether every row of the M-row call equals, bit for bit, the same row
 computed alone. Kernels:
   fp32    oneDNN prepacked fp32 linear (today's path, ``layers.Linear``)

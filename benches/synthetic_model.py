@@ -3,7 +3,7 @@
 For GPU benchmarks on machines without internet (the default model's GGUF cannot travel there).
 ``build_synthetic_engine`` wires the REAL components (``EngineCore`` around ``Scheduler``,
 ``ModelRunner``, ``Sampler``, KV caches sized from a byte budget, the attention backend the
-selector picks: FlashInfer on CUDA when installed) around a :class:`LlamaForCausalLM` whose
+selector picks: FlashInfer on CUDA when installed) around a :class:`DecoderLM` whose
 weights are generated directly on the device, one tensor at a time (no host copy of an 8B state
 dict). Prompts are token ids, so no tokenizer is involved: :class:`SyntheticEngine` has
 ``add_request`` / ``step`` like ``LLMEngine``; its outputs are DELTA ``RequestOutput`` s (token
@@ -31,6 +31,7 @@ from tokenbudget.engine.core.engine_core import EngineCore
 from tokenbudget.engine.core.prompts import make_request
 from tokenbudget.engine.model import build_model
 from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.engine.model.weights import expected_shapes
 from tokenbudget.engine.worker.kv_cache_alloc import (
     allocate_kv_caches,
     num_blocks_for_budget,
@@ -39,7 +40,7 @@ from tokenbudget.engine.worker.model_runner import ModelRunner
 from tokenbudget.engine.worker.sampler import Sampler
 from tokenbudget.scheduler.config import SchedulerConfig
 from tokenbudget.scheduler.scheduler import Scheduler
-from tokenbudget.spec.proposer import BaseProposer
+from tokenbudget.spec.proposer import BaseProposer, Proposal
 from tokenbudget.spec.speculator import Speculator
 
 _COMMON = dict(architecture="llama", rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192)
@@ -91,6 +92,10 @@ class _RandomStateDict(dict):
         self["model.norm.weight"] = torch.ones(h, dtype=dtype, device=device)
         if not cfg.tie_word_embeddings:
             self["lm_head.weight"] = self._randn((v, h))
+
+    def keys(self):
+        """Every tensor the model reads (``engine.model.weights.expected_shapes``): made on access."""
+        return expected_shapes(self.cfg, ()).keys()
 
     def _randn(self, shape) -> torch.Tensor:
         t = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -233,7 +238,7 @@ class OracleProposer(BaseProposer):
     def set_references(self, references: dict[str, list[int]]) -> None:
         self.references = dict(references)
 
-    def propose(self, requests: Sequence, num_tokens: Sequence[int]) -> list[list[int]]:
+    def propose(self, requests: Sequence, num_tokens: Sequence[int]) -> Proposal:
         out = []
         for r, k in zip(requests, num_tokens):
             ref = self.references.get(r.request_id)
@@ -244,4 +249,4 @@ class OracleProposer(BaseProposer):
             truth = ref[n:n + k]
             drafts = [t if self.rng.random() < self.acceptance else (t + 1) % self.vocab_size for t in truth]
             out.append(drafts)
-        return out
+        return Proposal(out)

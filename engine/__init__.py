@@ -1,6 +1,6 @@
-"""The engine: ``api/`` what users hold, ``core/`` the step loop and request life cycle,
-``worker/`` what runs on the device, ``loader/`` model files, ``model/`` model code,
-``text/`` tokenizer and detokenizer, ``cli/`` the console script.
+"""The engine: ``core/`` the step loop and request life cycle, ``worker/`` what runs on the
+device, ``loader/`` model files, ``model/`` model code, ``text/`` tokenizer and detokenizer,
+``structured/`` grammars, ``entrypoints/`` and ``serve/`` the ways in.
 
 Installed as ``tokenbudget.engine``; the public names are re-exported by ``tokenbudget``.
 """

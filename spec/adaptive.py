@@ -97,7 +97,7 @@ class AdaptiveSpecController:
     thread-safe.
 
     max_k: upper bound on drafts per request (``SpeculativeConfig.max_spec_tokens``).
-    cost_model: this engine's ``StepCostModel`` (``engine.worker.step_cost`` measures the prior).
+    cost_model: this engine's ``StepCostModel`` (``engine.drafters.step_cost`` measures the prior).
     prior_alpha / prior_beta: engine-wide Beta prior of per-position acceptance (pseudo-counts).
     prior_strength: pseudo-trials of the engine-wide figure in each request's prior.
     decay / global_decay: evidence discount per verify (request) / per step (engine-wide).

@@ -43,7 +43,7 @@ Fit: weighted least squares with relative-error weights ``1 / seconds^2`` (a 1 m
 much as a 100 ms one: the controller compares ratios), over two sources of evidence:
 
 * the start-up prior: a few steps of chosen shapes timed on the real runner
-  (``engine.worker.step_cost``), fitted alone to prior weights w0, which then act as a Gaussian
+  (``engine.drafters.step_cost``), fitted alone to prior weights w0, which then act as a Gaussian
   prior: moving w_f away from w0_f costs what the same relative error on a typical probe step
   would cost on ``prior_weight`` online steps. (Not the probes as pseudo-observations: a probe
   of extreme shape, e.g. 256 prefill rows, would then pin its direction far harder than

@@ -40,7 +40,7 @@ import numpy as np
 
 from tokenbudget.scheduler.drafts import draft_limit
 from tokenbudget.scheduler.request import Request
-from tokenbudget.spec.proposer import BaseProposer
+from tokenbudget.spec.proposer import BaseProposer, Proposal
 
 Prefer = Literal["recent", "earliest"]
 
@@ -142,13 +142,13 @@ class NgramProposer(BaseProposer):
         self.min_n, self.max_n, self.prefer = min_n, max_n, prefer
         self.max_model_len = max_model_len
         self._index: dict[str, NgramIndex] = {}
-        self._kinds: list[Hashable] | None = None
 
     @classmethod
     def from_config(cls, spec_config, max_model_len: int) -> NgramProposer:
         return cls(spec_config.prompt_lookup_min, spec_config.prompt_lookup_max, max_model_len)
 
-    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
+    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> Proposal:
+        """Drafts labelled with the length n of the suffix they matched (0: none; ``spec.proposer``)."""
         if len(requests) != len(num_tokens):
             raise ValueError(f"num_tokens has {len(num_tokens)} entries for {len(requests)} requests")
         out: list[list[int]] = []
@@ -162,13 +162,7 @@ class NgramProposer(BaseProposer):
             draft, n = index.match(k)
             out.append(draft)
             kinds.append(n)
-        self._kinds = kinds
-        return out
-
-    def take_draft_kinds(self) -> list[Hashable] | None:
-        """The matched suffix length n of each request's draft (``spec.proposer``)."""
-        kinds, self._kinds = self._kinds, None
-        return kinds
+        return Proposal(out, kinds=kinds)
 
     def on_finished(self, request: Request) -> None:
         self._index.pop(request.request_id, None)

@@ -6,10 +6,10 @@ at most. It returns, per request, up to that many draft token ids; fewer (includ
 always allowed. Proposers size their drafts with ``scheduler.drafts.draft_limit``, the rule the
 scheduler cuts them by.
 
-Draft probabilities: drafters that sample from a distribution (draft model, self-draft) keep
-the q-distributions of their last ``propose`` call and hand them over through
-``take_draft_probs``; drafters without probabilities (n-gram, suffix) return None, and the
-sampler then treats q(x) = 1 for the drafted token.
+``propose`` returns one ``Proposal``: the drafts, and with them what the drafter knows of them.
+Draft probabilities: drafters that sample from a distribution (draft model, self-draft, EAGLE-3)
+carry the q-distributions in ``Proposal.probs``; drafters without probabilities (n-gram, suffix)
+leave it None, and the sampler then treats q(x) = 1 for the drafted token.
 
 A step is a transaction: ``propose`` runs inside it, so a proposer whose ``propose`` changes
 state that outlives the step (beyond caches it can rebuild from the requests' tokens) makes that
@@ -17,8 +17,8 @@ change undoable: ``rollback`` (the step failed) undoes what the last ``propose``
 (the step committed) makes it final. ``on_finished`` is called once when a request finishes or
 is aborted, after its step committed.
 
-Draft kinds: a drafter that knows how a draft was found labels each request's draft of the last
-``propose`` (``take_draft_kinds``: n-gram and suffix decoding, the length of the match); the
+Draft kinds: a drafter that knows how a draft was found labels each request's draft
+(``Proposal.kinds``: n-gram and suffix decoding, the length of the match); the
 draft-length controller learns acceptance per label (``spec.adaptive``), because a draft copied
 after a 4-token match is accepted far more often than one after a 2-token match (figures:
 benches/RESULTS.md, "Acceptance by draft kind").
@@ -26,7 +26,7 @@ benches/RESULTS.md, "Acceptance by draft kind").
 What drafting costs: a drafter that runs a model (EAGLE-3's head, a draft model, the target's
 first layers) says so at start-up through
 ``probe_cost(k)``, the seconds one request's draft of k tokens takes, measured on throw-away
-state; the draft-length controller's cost model starts from it (``engine.worker.step_cost``)
+state; the draft-length controller's cost model starts from it (``engine.drafters.step_cost``)
 instead of learning the drafter's cost from scratch while it over-drafts. Free drafters (n-gram,
 suffix) return None.
 
@@ -39,24 +39,29 @@ raise (the commit cannot fail) and only keeps what the next ``propose`` needs.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from tokenbudget.scheduler.request import Request
 
 
+@dataclass(slots=True)
+class Proposal:
+    """One ``propose`` call's drafts, per request in the order asked: the draft token ids (as many
+    as the drafter found, up to what it was asked for), their q-distributions (``probs``: per request
+    ``[len(drafts), V]`` float32 or None; None for a drafter without probabilities) and the label of
+    how each draft was found (``kinds``; None for a drafter without kinds)."""
+
+    token_ids: list[list[int]]
+    probs: list[Any] | None = None
+    kinds: list[Hashable] | None = None
+
+
 @runtime_checkable
 class Proposer(Protocol):
-    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
-        """For each decoding request, up to ``num_tokens[i]`` draft token ids (may be fewer)."""
-        ...
-
-    def take_draft_probs(self) -> list[Any] | None:
-        """q-distributions ([n_i, vocab] each, or None) of the last ``propose`` call, or None."""
-        ...
-
-    def take_draft_kinds(self) -> list[Hashable] | None:
-        """Per request of the last ``propose`` call, the label of how its draft was found, or
-        None (see the module doc)."""
+    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> Proposal:
+        """For each decoding request, up to ``num_tokens[i]`` draft token ids (may be fewer),
+        with their probabilities and kinds where the drafter has them."""
         ...
 
     def on_finished(self, request: Request) -> None:
@@ -82,14 +87,8 @@ class Proposer(Protocol):
 class BaseProposer:
     """Defaults for proposers without probabilities, per-request state or undoable effects."""
 
-    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
+    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> Proposal:
         raise NotImplementedError
-
-    def take_draft_probs(self) -> list[Any] | None:
-        return None
-
-    def take_draft_kinds(self) -> list[Hashable] | None:
-        return None
 
     def on_finished(self, request: Request) -> None:
         return None

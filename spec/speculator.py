@@ -80,8 +80,8 @@ class Speculator:
             if self._free_drafter:
                 # Cheap deterministic drafters: draft first, so the controller plans with the
                 # drafts that exist (a request without a match costs nothing and gets k = 0).
-                drafted = self.proposer.propose(decoding, caps)
-                kinds = self.proposer.take_draft_kinds()
+                proposal = self.proposer.propose(decoding, caps)
+                drafted, kinds = proposal.token_ids, proposal.kinds
                 caps = [len(d) for d in drafted]
             elif self._hybrid:
                 free = self.proposer.free_drafts(decoding, caps)  # per request: (drafts, kind) or None
@@ -107,9 +107,9 @@ class Speculator:
         if free is not None:
             return self._merge_free(decoding, ks, free)
         reqs = [r for r, _ in chosen]
-        tokens = self.proposer.propose(reqs, [k for _, k in chosen])
-        self._note_drafter_work(reqs, tokens)
-        return DraftBatch([r.request_id for r in reqs], tokens, self.proposer.take_draft_probs())
+        proposal = self.proposer.propose(reqs, [k for _, k in chosen])
+        self._note_drafter_work(reqs, proposal.token_ids)
+        return DraftBatch([r.request_id for r in reqs], proposal.token_ids, proposal.probs)
 
     def _note_drafter_work(self, requests: list[Request], tokens: list[list[int]]) -> None:
         """What a model drafter did this step, for the cost model: requests, and draft rows."""
@@ -118,9 +118,10 @@ class Speculator:
     def _merge_free(self, decoding, ks, free) -> DraftBatch:
         """The chosen requests' drafts: free drafts cut to k, the others drafted by the model."""
         model = [(r, k) for r, k, f in zip(decoding, ks, free) if k > 0 and f is None]
-        tokens = self.proposer.propose([r for r, _ in model], [k for _, k in model]) if model else []
+        proposal = self.proposer.propose([r for r, _ in model], [k for _, k in model]) if model else None
+        tokens = proposal.token_ids if proposal is not None else []
         self._note_drafter_work([r for r, _ in model], tokens)
-        probs = (self.proposer.take_draft_probs() if model else None) or [None] * len(model)
+        probs = (proposal.probs if proposal is not None else None) or [None] * len(model)
         drafted = {r.request_id: (t, q) for (r, _), t, q in zip(model, tokens, probs)}
         ids, out, out_probs = [], [], []
         for r, k, f in zip(decoding, ks, free):

@@ -39,12 +39,12 @@ extension plus a thin Python wrapper) is the only part that would apply here.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenbudget.scheduler.drafts import draft_limit
 from tokenbudget.scheduler.request import Request
-from tokenbudget.spec.proposer import BaseProposer
+from tokenbudget.spec.proposer import BaseProposer, Proposal
 
 Bigram = tuple[int, int]
 
@@ -144,7 +144,6 @@ class SuffixProposer(BaseProposer):
         self._num_live_entries = 0
         self._next_seq_id = 0
         self._pending_touches: list[int] = []  # cached sequences that drafted this step (LRU)
-        self._kinds: list[Hashable] | None = None
 
     @classmethod
     def from_config(cls, spec_config, max_model_len: int) -> SuffixProposer:
@@ -153,7 +152,8 @@ class SuffixProposer(BaseProposer):
                    c.suffix_max_spec_offset, c.suffix_min_token_prob, max_model_len)
 
     # ---- Proposer interface ----
-    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
+    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> Proposal:
+        """Drafts labelled with their match length, in classes (``match_kind``; ``spec.proposer``)."""
         if len(requests) != len(num_tokens):
             raise ValueError(f"num_tokens has {len(num_tokens)} entries for {len(requests)} requests")
         out, kinds = [], []
@@ -166,13 +166,7 @@ class SuffixProposer(BaseProposer):
             d = self.speculate(local, k) if k > 0 else SuffixDraft()
             out.append(d.token_ids)
             kinds.append(match_kind(d.match_len))
-        self._kinds = kinds
-        return out
-
-    def take_draft_kinds(self) -> list[Hashable] | None:
-        """Each request's draft's match length, in classes (``match_kind``; ``spec.proposer``)."""
-        kinds, self._kinds = self._kinds, None
-        return kinds
+        return Proposal(out, kinds=kinds)
 
     def commit(self) -> None:
         """The step committed: the cached sequences that supplied its drafts become most recent."""

@@ -32,6 +32,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("loader", ("tokenbudget.engine.loader",)),
     ("structured output", ("tokenbudget.engine.structured",)),
     ("worker: runners, sampler", ("tokenbudget.engine.worker",)),
+    ("drafters: model drafters, their runner and cost probe, the factory", ("tokenbudget.engine.drafters",)),
     ("core: EngineCore, outputs, wiring", ("tokenbudget.engine.core",)),
     ("front-ends: LLM, LLMEngine, AsyncLLM, serve", ("tokenbudget.engine.entrypoints", "tokenbudget.engine.serve")),
     ("training: draft heads (train-draft)", ("tokenbudget.training",)),

@@ -214,7 +214,7 @@ def test_bad_aux_layers_are_refused_naming_the_field():
 
 
 def test_a_drafting_view_of_a_tapped_target_taps_nothing():
-    from tokenbudget.engine.worker.draft_runner import truncated_view
+    from tokenbudget.engine.drafters.draft_runner import truncated_view
     model = build_model(tbi.CFG, tbi.random_state_dict(tbi.CFG), torch.float32, "cpu")
     model.set_aux_layers((1,))
     view = truncated_view(model, 1)

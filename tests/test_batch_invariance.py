@@ -1,7 +1,7 @@
 """Batch invariance: a position's logits are the same BITS whatever shares its forward.
 
 Findings on this CPU (AMD EPYC AVX-512, torch 2.13 CPU + MKL 2024.2, 1-2 threads), details in
-``engine/model/llama.py`` and ``kernels/attention/torch_ref.py``:
+``engine/model/decoder.py`` and ``kernels/attention/torch_ref.py``:
 * fp32 F.linear has row paths M=1 | M in {2,3} | M>=4 (+ a 2-thread remainder split for
   M in {5..7, 9..11}); padding every GEMM's rows to a multiple of 4 makes rows bitwise invariant.
 * bf16 F.linear: M=1 differs from M>=2 for some shapes; same padding covers it.

@@ -11,11 +11,11 @@ import msgspec
 import pytest
 import torch
 
+from tokenbudget.engine.drafters.draft_runner import truncated_view
 from tokenbudget.engine.model import build_model
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.model.cpu_forward import CpuForwardModel
 from tokenbudget.engine.model.quant import quantize_model
-from tokenbudget.engine.worker.draft_runner import truncated_view
 
 import batch_schedules as bs
 

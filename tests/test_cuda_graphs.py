@@ -1,4 +1,4 @@
-"""CUDA-graph runner over the real ``LlamaForCausalLM`` (tiny random config), on CPU.
+"""CUDA-graph runner over the real ``DecoderLM`` (tiny random config), on CPU.
 
 The FlashInfer stand-in (``flashinfer_standin``) gives the backend its wrappers and a replay
 driver stands in for ``torch.cuda`` graphs (a replay re-runs the captured forward over the same

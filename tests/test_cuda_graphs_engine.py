@@ -1,5 +1,5 @@
 """The whole step loop over the CUDA-graph path, on CPU: EngineCore -> ModelRunner ->
-CUDAGraphRunner (replay driver) -> FlashInfer backend (stand-in) -> the real LlamaForCausalLM.
+CUDAGraphRunner (replay driver) -> FlashInfer backend (stand-in) -> the real DecoderLM.
 
 Greedy speculation whose draft counts vary from request to request and step to step (0..k, as
 n-gram and suffix drafts do) must produce exactly the tokens of plain decoding, with the
@@ -12,6 +12,7 @@ import random
 
 from tokenbudget.engine.worker.cuda_graphs import CUDAGraphRunner
 from tokenbudget.kernels.attention.flashinfer_backend import FlashInferBackend
+from tokenbudget.spec.proposer import Proposal
 
 import flashinfer_standin as fis
 from benches.gpu_spec import run_generation
@@ -25,8 +26,8 @@ class RaggedOracle(OracleProposer):
     """The recorded greedy continuation, cut to a random 0..k drafts per request and step."""
 
     def propose(self, requests, num_tokens):
-        drafts = super().propose(requests, num_tokens)
-        return [d[:self.rng.randint(0, len(d))] for d in drafts]
+        drafts = super().propose(requests, num_tokens).token_ids
+        return Proposal([d[:self.rng.randint(0, len(d))] for d in drafts])
 
 
 class CountingRunner(CUDAGraphRunner):

@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter (engine/worker/eagle3_proposer.py) on a tiny random target with random heads
+"""The EAGLE-3 drafter (engine/drafters/eagle3_proposer.py) on a tiny random target with random heads
 written in the published layout: losslessness under chunked prefill, preemption, prefix caching,
 n > 1, structured output and sampling; the head's own KV against a from-scratch reference; the
 step transaction (rollback) and the one release path. The loader and the validation errors:
@@ -89,11 +89,11 @@ def test_head_kv_matches_a_from_scratch_reference(dirs, stress) -> None:
     inner = proposer.propose
 
     def recording(requests, num_tokens):
-        drafts = inner(requests, num_tokens)
-        for r, d in zip(requests, drafts):
+        proposal = inner(requests, num_tokens)
+        for r, d in zip(requests, proposal.token_ids):
             if d:
                 seen.append((list(r.all_token_ids), d, proposer._state[r.request_id].last_logits.clone()))
-        return drafts
+        return proposal
 
     proposer.propose = recording
     prompts = [f"prompt number {i}: " + "ab" * (3 + 2 * i) for i in range(4)]
@@ -120,10 +120,10 @@ def test_n_greater_than_one_children_borrow_the_prompt_rows(dirs) -> None:
     inner = proposer.propose
 
     def recording(requests, num_tokens):
-        drafts = inner(requests, num_tokens)
-        seen.extend((list(r.all_token_ids), d) for r, d in zip(requests, drafts) if d)
+        proposal = inner(requests, num_tokens)
+        seen.extend((list(r.all_token_ids), d) for r, d in zip(requests, proposal.token_ids) if d)
         gaps.extend(st.n != st.next_pos for st in proposer._state.values())
-        return drafts
+        return proposal
 
     proposer.propose = recording
     out = llm.generate(["prompt number 7: " + "ab" * 20], greedy(16, n=3), use_tqdm=False)[0]
@@ -155,14 +155,14 @@ def test_sampled_requests(dirs) -> None:
     assert token_ids(llm, PROMPTS, seeded) == token_ids(engine(dirs["target"]), PROMPTS, seeded)
     proposer = llm.engine.speculator.proposer
     handed = []
-    inner = proposer.take_draft_probs
+    inner = proposer.propose
 
-    def recording():
-        probs = inner()
-        handed.extend(p for p in probs or [] if p is not None)
-        return probs
+    def recording(requests, num_tokens):
+        proposal = inner(requests, num_tokens)
+        handed.extend(p for p in proposal.probs or [] if p is not None)
+        return proposal
 
-    proposer.take_draft_probs = recording
+    proposer.propose = recording
     out = token_ids(llm, PROMPTS, SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True))
     assert all(len(t) == 16 for t in out)
     assert handed
@@ -266,7 +266,7 @@ def test_sampling_features_and_ids_outside_the_draft_vocabulary(dirs) -> None:
 def test_pending_tap_rows_are_capped(dirs, baseline, monkeypatch) -> None:
     """A request that queues more tap rows than ``MAX_PENDING_ROWS`` (a long prompt) keeps the
     newest: the head's K/V starts later (a gap, like a cache hit), output unchanged."""
-    import tokenbudget.engine.worker.eagle3_proposer as module
+    import tokenbudget.engine.drafters.eagle3_proposer as module
     monkeypatch.setattr(module, "MAX_PENDING_ROWS", 8)
     llm = engine(dirs["target"], eagle(dirs["head"]))
     proposer = llm.engine.speculator.proposer
@@ -274,9 +274,9 @@ def test_pending_tap_rows_are_capped(dirs, baseline, monkeypatch) -> None:
     inner = proposer.propose
 
     def recording(requests, num_tokens):
-        drafts = inner(requests, num_tokens)
+        proposal = inner(requests, num_tokens)
         kv_rows.extend((r.num_computed_tokens, proposer._state[r.request_id].n) for r in requests)
-        return drafts
+        return proposal
 
     proposer.propose = recording
     assert token_ids(llm, PROMPTS, greedy()) == baseline
@@ -288,7 +288,7 @@ def test_shipped_head_on_the_default_model() -> None:
     """``"model"`` omitted: the head shipped for SmolLM2-135M-Instruct, on the default model as
     users run it (int4 on the C kernels: the head quantized alike, its lm head too, and its
     forward the C call where the C kernels run); greedy output equals plain decoding."""
-    from tokenbudget.engine.worker.eagle3_build import shipped_head_dir
+    from tokenbudget.engine.drafters.eagle3_build import shipped_head_dir
     from tokenbudget.kernels.cpu.native import library
 
     from engine_fixtures import ENGINE_OPTS, default_target
@@ -363,7 +363,7 @@ def test_controller_learns_the_heads_own_cost(dirs, monkeypatch) -> None:
     drafts beside it are free and not counted. (The head's start-up price is left out of the prior
     here: on the tiny target a head step costs about a target step, and priced, "auto" drafts with
     it on only a few steps; this test is about the accounting.)"""
-    from tokenbudget.engine.worker.eagle3_proposer import Eagle3Proposer
+    from tokenbudget.engine.drafters.eagle3_proposer import Eagle3Proposer
     from tokenbudget.spec.proposer import BaseProposer
     monkeypatch.setattr(Eagle3Proposer, "probe_cost", BaseProposer.probe_cost)
     spec = {**eagle(dirs["head"], k="auto"), "enable_suffix_decoding": True}

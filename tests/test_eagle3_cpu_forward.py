@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenbudget.engine.drafters.eagle3_kv import HeadState, segment_attend
 from tokenbudget.engine.model.eagle3_cpu import Eagle3CpuForward, quantize_head
 from tokenbudget.engine.model.quant import Q8Embedding
-from tokenbudget.engine.worker.eagle3_kv import HeadState, segment_attend
 from tokenbudget.kernels.cpu.native import library, unavailable_reason
 
 from eagle3_fixtures import random_head

@@ -112,7 +112,7 @@ def test_not_a_head_directory(dirs) -> None:
 def test_out_rows_computes_those_rows_and_every_rows_kv() -> None:
     """The engine's catch-up asks for the last row of each request only (``out_rows``): its output
     is the full forward's, and every row's K/V still reaches the cache."""
-    from tokenbudget.engine.worker.eagle3_kv import HeadState, segment_attend
+    from tokenbudget.engine.drafters.eagle3_kv import HeadState, segment_attend
 
     head = random_head(3)
     c = head.config

@@ -14,14 +14,13 @@ import pytest
 import torch
 import transformers
 
-from tokenbudget.engine.model import build_model  # noqa: E402
-from tokenbudget.engine.model.config import ModelConfig  # noqa: E402
-from tokenbudget.engine.worker.kv_cache_alloc import allocate_kv_caches  # noqa: E402
-from tokenbudget.engine.worker.model_runner import ModelRunner  # noqa: E402
-from tokenbudget.scheduler.output import SchedulerOutput  # noqa: E402
-from tokenbudget.scheduler.request import Request  # noqa: E402
+from tokenbudget.engine.model import build_model
+from tokenbudget.engine.model.config import ModelConfig
+from tokenbudget.scheduler.output import SchedulerOutput
+from tokenbudget.scheduler.request import Request
 
-from model_helpers import scheduled  # noqa: E402
+from model_helpers import scheduled
+from paged_forward import chunked_logits, make_runner, random_tables
 
 BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -68,60 +67,6 @@ def make_hf(arch: str, extra: dict, seed: int = 0):
     return hf, cfg
 
 
-class GreedyStandIn:
-    """Greedy stand-in for the sampler (tests only): argmax of each request's last row."""
-
-    def __call__(self, logits, rows):
-        from tokenbudget.engine.worker.sampler import SamplerOutput
-        out, r = [], 0
-        for row in rows:
-            k = row.num_drafts
-            out.append([int(logits[r + k].argmax())])
-            r += 1 + k
-        return SamplerOutput(out)
-
-
-
-def make_runner(model, cfg, num_blocks=64, block_size=4):
-    caches = allocate_kv_caches(cfg, num_blocks, block_size, torch.float32, "cpu")
-    return ModelRunner(model, cfg, caches, block_size, GreedyStandIn(), "cpu")
-
-
-def random_tables(rng: random.Random, lens: list[int], num_blocks: int, block_size: int):
-    ids = list(range(num_blocks))
-    rng.shuffle(ids)
-    tables, i = [], 0
-    for n in lens:
-        nb = -(-n // block_size)
-        tables.append(ids[i:i + nb])
-        i += nb
-    assert i <= num_blocks
-    return tables
-
-
-def chunked_logits(runner, prompts, tables, rng):
-    """Feed every prompt in random chunks, all requests in the same steps; return per-request
-    logits at every position ``[len, V]``."""
-    reqs = [Request(f"r{i}", p, max_tokens=4) for i, p in enumerate(prompts)]
-    done = [0] * len(prompts)
-    got = [[] for _ in prompts]
-    while any(d < len(p) for d, p in zip(done, prompts)):
-        sched, owners = SchedulerOutput(), []
-        for i, (req, p) in enumerate(zip(reqs, prompts)):
-            if done[i] >= len(p):
-                continue
-            n = min(len(p) - done[i], rng.randint(1, 9))
-            sched.scheduled.append(scheduled(req, done[i], n, p[done[i]:done[i] + n], [], tables[i]))
-            owners.append(i)
-            done[i] += n
-        ids, pos, md, _ = runner.prepare_inputs(sched)
-        hidden = runner.model(ids, pos, md, runner.kv_caches)
-        logits = runner.model.compute_logits(hidden)
-        for b, i in enumerate(owners):
-            got[i].append(logits[md.qo_indptr[b]:md.qo_indptr[b + 1]])
-    return [torch.cat(g) for g in got]
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_chunked_paged_forward_matches_hf(case):
     arch, extra = CASES[case]
@@ -156,15 +101,19 @@ def test_long_context_over_key_tiles():
     torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-5)
 
 
-def test_unsupported_rope_and_arch_rejected():
+def test_bad_rope_and_weights_rejected():
     hf, cfg = make_hf("llama", {})
     sd = hf.state_dict()
     import msgspec
-    bad = msgspec.structs.replace(cfg, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    bad = msgspec.structs.replace(cfg, rope_scaling={"rope_type": "made_up", "factor": 2.0})
     with pytest.raises(ValueError, match="rope_type"):
         build_model(bad, sd)
-    with pytest.raises(ValueError, match="architecture"):
-        build_model(msgspec.structs.replace(cfg, architecture="gpt2"), sd)
+    with pytest.raises(ValueError, match="low_freq_factor"):
+        build_model(msgspec.structs.replace(cfg, rope_scaling={"rope_type": "llama3", "factor": 8.0}), sd)
+    with pytest.raises(ValueError, match="unexpected tensor model.layers.0.pre_feedforward_layernorm"):
+        build_model(cfg, {**sd, "model.layers.0.pre_feedforward_layernorm.weight": torch.ones(64)})
+    with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj.weight has shape"):
+        build_model(cfg, {**sd, "model.layers.1.mlp.down_proj.weight": torch.ones(64, 95)})
     sd.pop("model.layers.1.mlp.up_proj.weight")
     with pytest.raises(ValueError, match="up_proj"):
         build_model(cfg, sd)

@@ -19,7 +19,7 @@ from tokenbudget.engine.loader import default_model as dm
 from tokenbudget.engine.loader.gguf_config import llama3_rope_scaling_from_freqs
 from tokenbudget.engine.loader.gguf_dequant import dequantize_tensor
 from tokenbudget.engine.loader.gguf_loader import gguf_tensor_name_to_hf, unpermute_qk
-from tokenbudget.engine.loader.hf_loader import hf_config_to_model_config
+from tokenbudget.engine.loader.hf_config import hf_config_to_model_config
 
 from model_helpers import hf_llama_from_loaded, write_tokenizer_files  # noqa: E402
 

@@ -70,16 +70,16 @@ def test_proposer_clips_to_max_model_len_and_max_tokens():
     prop = NgramProposer(1, 3, max_model_len=12)
     r = _req(toks)
     # L=9, max_model_len=12 -> at most 12 - 9 - 1 = 2 drafts
-    assert prop.propose([r], [5]) == [[4, 5]]
+    assert prop.propose([r], [5]).token_ids == [[4, 5]]
     assert len(r.all_token_ids) + 2 < 12
     prop = NgramProposer(1, 3, max_model_len=100)
     r = _req(toks, prompt_len=7, max_tokens=4)  # 2 outputs so far, 2 left -> 1 useful draft
-    assert prop.propose([r], [5]) == [[4]]
+    assert prop.propose([r], [5]).token_ids == [[4]]
     r = _req(toks, prompt_len=7, max_tokens=3)
-    assert prop.propose([r], [5]) == [[]]
+    assert prop.propose([r], [5]).token_ids == [[]]
     r = _req(toks)
     r.max_spec_tokens = 0
-    assert prop.propose([r], [5]) == [[]]
+    assert prop.propose([r], [5]).token_ids == [[]]
 
 
 def test_draft_limit():
@@ -90,17 +90,17 @@ def test_draft_limit():
     assert draft_limit(r, max_model_len=100, k=3) == 3
     r.max_spec_tokens = 2
     assert draft_limit(r, max_model_len=100) == 2
-    assert NgramProposer(1, 2, max_model_len=13).propose([_req([1, 2, 3, 1, 2])], [4]) == [[3, 1, 2, 3]]
+    assert NgramProposer(1, 2, max_model_len=13).propose([_req([1, 2, 3, 1, 2])], [4]).token_ids == [[3, 1, 2, 3]]
 
 
 def test_incremental_across_steps_and_finish():
     prop = NgramProposer(2, 3, max_model_len=1000)
     r = _req([1, 2, 3, 4])
-    assert prop.propose([r], [2]) == [[]]
+    assert prop.propose([r], [2]).token_ids == [[]]
     r.all_token_ids += [1, 2]
-    assert prop.propose([r], [2]) == [[3, 4]]
+    assert prop.propose([r], [2]).token_ids == [[3, 4]]
     r.all_token_ids += [3, 9, 1, 2]
-    assert prop.propose([r], [2]) == [[3, 9]]
+    assert prop.propose([r], [2]).token_ids == [[3, 9]]
     prop.on_finished(r)
     assert prop.num_tracked_requests == 0
 
@@ -108,9 +108,9 @@ def test_incremental_across_steps_and_finish():
 def test_batch_of_requests():
     prop = NgramProposer(1, 2, max_model_len=1000)
     reqs = [_req([1, 2, 3, 1], rid="a"), _req([5, 6], rid="b"), _req([9, 9, 9], rid="c")]
-    assert prop.propose(reqs, [2, 2, 1]) == [[2, 3], [], [9]]
-    assert prop.take_draft_kinds() == [1, 0, 2]   # the matched suffix's length; handed over once
-    assert prop.take_draft_kinds() is None
+    proposal = prop.propose(reqs, [2, 2, 1])
+    assert proposal.token_ids == [[2, 3], [], [9]]
+    assert proposal.kinds == [1, 0, 2]   # the matched suffix's length
 
 
 tokens_st = st.lists(st.integers(0, 4), min_size=0, max_size=60)
@@ -160,6 +160,6 @@ def test_incremental_index_equals_brute_force(chunks, lo, width, prefer):
 def test_never_past_max_model_len(tokens, max_model_len, k):
     prop = NgramProposer(1, 3, max_model_len=max_model_len)
     r = _req(tokens)
-    (drafts,) = prop.propose([r], [k])
+    (drafts,) = prop.propose([r], [k]).token_ids
     assert len(drafts) <= k
     assert len(drafts) == 0 or len(tokens) + len(drafts) < max_model_len

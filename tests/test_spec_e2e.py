@@ -99,7 +99,7 @@ def test_tiny_greedy_lossless(tiny, method: str, config: str, monkeypatch) -> No
         # a step per draft and "auto" rightly never drafts. Leave the price out of the prior here, so
         # that the controller drafts from the start and this test checks losslessness, not pricing
         # (tests/test_draft_model.py checks the price).
-        from tokenbudget.engine.worker.draft_model import DraftModelProposer
+        from tokenbudget.engine.drafters.draft_model import DraftModelProposer
         from tokenbudget.spec.proposer import BaseProposer
         monkeypatch.setattr(DraftModelProposer, "probe_cost", BaseProposer.probe_cost)
     if method == "draft_model":

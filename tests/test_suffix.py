@@ -18,16 +18,16 @@ def test_repeated_text_is_proposed():
     sp = SuffixProposer(max_model_len=10_000)
     text = list(range(100, 120))
     r = _req("a", text + text[:5])
-    (draft,) = sp.propose([r], [8])
+    (draft,) = sp.propose([r], [8]).token_ids
     assert draft == text[5:10]  # match length 5, max_spec_factor 1.0 -> 5 tokens
     sp = SuffixProposer(max_spec_factor=2.0, max_model_len=10_000)
-    assert sp.propose([_req("b", text + text[:5])], [8]) == [text[5:13]]
+    assert sp.propose([_req("b", text + text[:5])], [8]).token_ids == [text[5:13]]
 
 
 def test_no_proposal_without_repeat():
     sp = SuffixProposer(max_model_len=10_000)
-    assert sp.propose([_req("a", list(range(50)))], [8]) == [[]]
-    assert sp.propose([_req("b", [1])], [8]) == [[]]
+    assert sp.propose([_req("a", list(range(50)))], [8]).token_ids == [[]]
+    assert sp.propose([_req("b", [1])], [8]).token_ids == [[]]
 
 
 def test_global_cache_from_finished_request_helps_new_request():
@@ -37,11 +37,11 @@ def test_global_cache_from_finished_request_helps_new_request():
     sp.on_finished(done)
     assert sp.num_cached_requests == 1
     new = _req("new", [9, 8, 7], answer[:6])
-    (draft,) = sp.propose([new], [10])
+    (draft,) = sp.propose([new], [10]).token_ids
     assert draft == answer[6:12]  # match length 6 -> up to 6 tokens with factor 1.0
     # a repeated prompt drafts its first output tokens from the cached prompt tail
     again = _req("again", [1, 2, 3, 4])
-    (draft,) = sp.propose([again], [3])
+    (draft,) = sp.propose([again], [3]).token_ids
     assert draft == answer[:3]
 
 
@@ -49,7 +49,7 @@ def test_disabled_global_cache():
     sp = SuffixProposer(max_cached_requests=0, max_model_len=10_000)
     sp.on_finished(_req("old", [1, 2], list(range(40, 60))))
     assert sp.num_cached_requests == 0
-    assert sp.propose([_req("new", [40, 41, 42])], [4]) == [[]]
+    assert sp.propose([_req("new", [40, 41, 42])], [4]).token_ids == [[]]
 
 
 def test_proposal_length_scales_with_match_length():
@@ -58,17 +58,18 @@ def test_proposal_length_scales_with_match_length():
     sp.on_finished(_req("old", [0], seq))
     lens = []
     for m in (2, 3, 5, 8):
-        (d,) = sp.propose([_req(f"n{m}", [7] + seq[:m])], [16])
+        (d,) = sp.propose([_req(f"n{m}", [7] + seq[:m])], [16]).token_ids
         assert d == seq[m:m + len(d)]
         lens.append(len(d))
     assert lens == [2, 3, 5, 8]
-    (d,) = sp.propose([_req("n5", [7] + seq[:5]), ], [16])
-    assert sp.take_draft_kinds() == [4] and sp.take_draft_kinds() is None   # 4-7 -> 4; handed over once
-    sp.propose([_req("n9", [7] + seq[:9]), _req("n2", [7] + seq[:2]), _req("none", [1, 2])], [16, 16, 16])
-    assert sp.take_draft_kinds() == [8, 2, 0]
+    proposal = sp.propose([_req("n5", [7] + seq[:5]), ], [16])
+    (d,) = proposal.token_ids
+    assert proposal.kinds == [4]   # 4-7 -> 4
+    proposal = sp.propose([_req("n9", [7] + seq[:9]), _req("n2", [7] + seq[:2]), _req("none", [1, 2])], [16, 16, 16])
+    assert proposal.kinds == [8, 2, 0]
     sp2 = SuffixProposer(max_spec_factor=0.0, max_spec_offset=4, max_model_len=10_000)
     sp2.on_finished(_req("old", [0], seq))
-    assert len(sp2.propose([_req("n", [7] + seq[:2])], [16])[0]) == 4
+    assert len(sp2.propose([_req("n", [7] + seq[:2])], [16]).token_ids[0]) == 4
 
 
 def test_proposal_stops_at_uncertain_branch():
@@ -79,10 +80,10 @@ def test_proposal_stops_at_uncertain_branch():
     ctx = []
     for tail in (4, 9, 4, 9, 4, 9):
         ctx += [1, 2, 3, tail, 0]
-    (d,) = sp.propose([_req("a", ctx + [77, 1, 2])], [8])
+    (d,) = sp.propose([_req("a", ctx + [77, 1, 2])], [8]).token_ids
     assert d == [3]
     sp = SuffixProposer(min_token_prob=0.4, max_spec_factor=4.0, max_model_len=10_000)
-    (d,) = sp.propose([_req("b", ctx + [77, 1, 2])], [8])
+    (d,) = sp.propose([_req("b", ctx + [77, 1, 2])], [8]).token_ids
     # tie broken toward the most recent occurrence (9); then 0 (p=.5); then 1 has 2/3 -> .33
     assert d == [3, 9, 0]
 
@@ -91,20 +92,20 @@ def test_lengths_vary_across_requests():
     sp = SuffixProposer(max_model_len=10_000)
     reqs = [_req("a", [1, 2, 3, 4, 5, 6, 7, 1, 2]), _req("b", [5, 6, 7, 8, 5, 6, 7, 8, 9, 5, 6, 7]),
             _req("c", [3, 1, 4, 1, 5])]
-    drafts = sp.propose(reqs, [8, 8, 8])
+    drafts = sp.propose(reqs, [8, 8, 8]).token_ids
     assert [len(d) for d in drafts] == [2, 3, 0]
 
 
 def test_clipped_to_max_model_len_and_max_tokens():
     text = list(range(10, 40))
     sp = SuffixProposer(max_model_len=len(text) + 8)
-    (d,) = sp.propose([_req("a", text + text[:10])], [16])
+    (d,) = sp.propose([_req("a", text + text[:10])], [16]).token_ids
     assert len(d) == 0  # L = 40 > max_model_len - 1
     sp = SuffixProposer(max_model_len=45)
-    (d,) = sp.propose([_req("b", text + text[:10])], [16])
+    (d,) = sp.propose([_req("b", text + text[:10])], [16]).token_ids
     assert d == text[10:14]  # 45 - 40 - 1
     sp = SuffixProposer(max_model_len=1000)
-    (d,) = sp.propose([_req("c", text, text[:10], max_tokens=12)], [16])
+    (d,) = sp.propose([_req("c", text, text[:10], max_tokens=12)], [16]).token_ids
     assert d == text[10:11]
 
 
@@ -119,8 +120,8 @@ def test_lru_eviction_bounds_memory():
         assert sp.num_cached_requests <= 3
         assert sp.num_index_entries <= 2 * 3 * 52 + 1024
     # the oldest is gone, the newest is still served
-    assert sp.propose([_req("x", [1] + seqs[0][:6])], [4]) == [[]]
-    assert sp.propose([_req("y", [1] + seqs[-1][:6])], [4]) == [seqs[-1][6:10]]
+    assert sp.propose([_req("x", [1] + seqs[0][:6])], [4]).token_ids == [[]]
+    assert sp.propose([_req("y", [1] + seqs[-1][:6])], [4]).token_ids == [seqs[-1][6:10]]
 
 
 def test_lru_keeps_recently_used():
@@ -128,13 +129,13 @@ def test_lru_keeps_recently_used():
     a, b, c = ([base + i for i in range(20)] for base in (100, 200, 300))
     sp.on_finished(_req("a", [0], a))
     sp.on_finished(_req("b", [0], b))
-    assert sp.propose([_req("use_a", [1] + a[:4])], [2]) == [a[4:6]]  # touches a ...
+    assert sp.propose([_req("use_a", [1] + a[:4])], [2]).token_ids == [a[4:6]]  # touches a ...
     sp.rollback()  # ... in a step that failed: no touch
-    assert sp.propose([_req("use_a", [1] + a[:4])], [2]) == [a[4:6]]
+    assert sp.propose([_req("use_a", [1] + a[:4])], [2]).token_ids == [a[4:6]]
     sp.commit()  # the step committed: a is the most recently used
     sp.on_finished(_req("c", [0], c))  # evicts b, the least recently used
-    assert sp.propose([_req("qa", [1] + a[:4])], [2]) == [a[4:6]]
-    assert sp.propose([_req("qb", [1] + b[:4])], [2]) == [[]]
+    assert sp.propose([_req("qa", [1] + a[:4])], [2]).token_ids == [a[4:6]]
+    assert sp.propose([_req("qb", [1] + b[:4])], [2]).token_ids == [[]]
 
 
 def test_rolled_back_touch_changes_nothing():
@@ -142,11 +143,11 @@ def test_rolled_back_touch_changes_nothing():
     a, b, c = ([base + i for i in range(20)] for base in (100, 200, 300))
     sp.on_finished(_req("a", [0], a))
     sp.on_finished(_req("b", [0], b))
-    assert sp.propose([_req("use_a", [1] + a[:4])], [2]) == [a[4:6]]
+    assert sp.propose([_req("use_a", [1] + a[:4])], [2]).token_ids == [a[4:6]]
     sp.rollback()
     sp.on_finished(_req("c", [0], c))  # evicts a: the touch was rolled back
-    assert sp.propose([_req("qa", [1] + a[:4])], [2]) == [[]]
-    assert sp.propose([_req("qb", [1] + b[:4])], [2]) == [b[4:6]]
+    assert sp.propose([_req("qa", [1] + a[:4])], [2]).token_ids == [[]]
+    assert sp.propose([_req("qb", [1] + b[:4])], [2]).token_ids == [b[4:6]]
 
 
 def test_finished_request_state_dropped():

@@ -49,7 +49,7 @@ def load_and_wire(config: EngineConfig, target: TargetModel | None = None) -> Wi
     threads = set_torch_threads(config.num_threads)
     if target is None:
         target = load_target_model(config.model, dtype=config.dtype, device=config.device,
-                                   quantization=config.quantization)
+                                   quantization=config.quantization, revision=config.revision)
     else:
         check_target_matches(config, target)
     return wire_engine(config, target, spec_config, threads)
@@ -78,6 +78,7 @@ def wire_engine(config: EngineConfig, target: TargetModel, spec_config: Speculat
     if max_model_len > mcfg.max_position_embeddings:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's context "
                          f"({mcfg.max_position_embeddings} positions)")
+    model.reserve_positions(max_model_len)  # RoPE tables cover the engine's positions (sized here, not by the file)
     lookahead = spec_config.max_spec_tokens if spec_config is not None and spec_config.uses_draft_kv else 0
     sched_config = SchedulerConfig(
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
@@ -103,9 +104,12 @@ def wire_engine(config: EngineConfig, target: TargetModel, spec_config: Speculat
     gc.freeze()  # start-up objects (weights' Python wrappers, tokenizer) leave the GC's scans
     rss = resident_memory_bytes()
     kernels = kernels_summary(model) if device.type == "cpu" else device.type
-    logger.info("tokenbudget: %s on %s (%s, quantization=%s, kernels: %s, %d threads), max_model_len=%d, %d KV "
-                "blocks of %d tokens (%.2f GiB), speculation=%s, RSS %s", target.source, device,
-                str(dtype).removeprefix("torch."), target.quantization, kernels, threads, max_model_len, num_blocks,
+    total, active = model.num_parameters
+    params = f"{total / 1e6:.1f}M params" + (f", {active / 1e6:.1f}M active" if active != total else "")
+    logger.info("tokenbudget: %s (%s, %s) on %s (%s, quantization=%s, kernels: %s, %d threads), max_model_len=%d, "
+                "%d KV blocks of %d tokens (%.2f GiB), speculation=%s, RSS %s", target.source, mcfg.architecture,
+                params, device, str(dtype).removeprefix("torch."), target.quantization, kernels, threads,
+                max_model_len, num_blocks,
                 config.block_size, kv_bytes / 2**30,
                 spec_config.method if spec_config else "off", f"{rss / 2**30:.2f} GiB" if rss else "n/a")
     return WiredEngine(core, target, spec_config)
@@ -139,11 +143,11 @@ def _wrap_in_cuda_graphs(runner: ModelRunner, kv_caches, spec_config, max_model_
 
 def _build_speculator(spec_config: SpeculativeConfig, target: TargetModel, scheduler: Scheduler,
                       runner: ModelRunner) -> Speculator:
-    from tokenbudget.engine.core.spec_factory import build_controller, build_proposer
+    from tokenbudget.engine.drafters.factory import build_controller, build_proposer
     proposer = build_proposer(spec_config, scheduler.config.max_model_len, target=target, scheduler=scheduler,
                               runner=runner)
     cost_model = None
     if spec_config.is_adaptive:
-        from tokenbudget.engine.worker.step_cost import measure_runner_costs
+        from tokenbudget.engine.drafters.step_cost import measure_runner_costs
         cost_model = measure_runner_costs(runner, scheduler.config, drafter=proposer)
     return Speculator(spec_config, proposer, build_controller(spec_config, cost_model))

@@ -4,7 +4,8 @@
 dict with Hugging Face parameter names and layout (dequantized to ``dtype``), the
 :class:`Tokenizer`, and ``source`` (the resolved path that was read). ``model=None`` means the
 default model (SmolLM2-135M-Instruct Q4_1 GGUF, fetched once into a cache; see
-``engine.loader.default_model``).
+``engine.loader.default_model``); a Hugging Face Hub id (``org/name``, ``org/name:Q8_0``,
+``org/name/file.gguf``) is fetched through huggingface_hub (``engine.loader.hub``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenbudget.engine.loader.default_model import default_model_path
+from tokenbudget.engine.loader.hub import resolve_model_path
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.text.tokenizer import Tokenizer
 
@@ -33,8 +35,9 @@ class LoadedModel:
 
 
 def load_model_files(model: str | os.PathLike[str] | None,
-                     dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a model from an HF directory, a ``.gguf`` file, or the default model (``None``).
+                     dtype: torch.dtype = torch.float32, revision: str | None = None) -> LoadedModel:
+    """Load a model from an HF directory, a ``.gguf`` file, a hub id (at ``revision``), or the
+    default model (``None``).
 
     Raises ``FileNotFoundError`` when ``model`` does not exist, ``ValueError`` /
     ``NotImplementedError`` for unsupported content, ``RuntimeError`` when the default model
@@ -42,7 +45,7 @@ def load_model_files(model: str | os.PathLike[str] | None,
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-    path = default_model_path() if model is None else os.path.expanduser(os.fspath(model))
+    path = default_model_path() if model is None else resolve_model_path(os.fspath(model), revision)
     if os.path.isdir(path):
         from tokenbudget.engine.loader.hf_loader import load_hf_dir
 
@@ -56,7 +59,7 @@ def load_model_files(model: str | os.PathLike[str] | None,
         config, state_dict, tokenizer, weight_type = load_gguf(path, dtype)
     else:
         raise FileNotFoundError(
-            f"model {path!r} not found: pass a .gguf file or a Hugging Face directory "
-            "(config.json + *.safetensors + tokenizer.json); hub names are not downloaded")
+            f"model {path!r} not found: pass a .gguf file, a Hugging Face directory "
+            "(config.json + *.safetensors + tokenizer.json) or a Hugging Face Hub id (org/name)")
     return LoadedModel(config=config, state_dict=state_dict, tokenizer=tokenizer, source=path,
                        weight_type=weight_type)

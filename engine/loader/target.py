@@ -79,8 +79,9 @@ def build_target(loaded: LoadedModel, dtype: torch.dtype, device: torch.device,
 
 
 def load_target_model(model: str | None = None, *, dtype: str = "auto", device: str = "auto",
-                      quantization: str = "auto") -> TargetModel:
-    """Read ``model`` (a .gguf file, an HF directory, or None for the default model) onto a device."""
+                      quantization: str = "auto", revision: str | None = None) -> TargetModel:
+    """Read ``model`` (a .gguf file, an HF directory, a hub id at ``revision``, or None for the
+    default model) onto a device."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    return build_target(load_model_files(model, dtype=dt), dt, dev, quantization)
+    return build_target(load_model_files(model, dtype=dt, revision=revision), dt, dev, quantization)

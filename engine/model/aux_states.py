@@ -2,7 +2,7 @@
 
 EAGLE-3 heads read, at every position, the target's hidden states at three layers of the forward
 that already runs (prefill chunks, decodes, verifies). ``set_aux_layers(ids)`` on a model object
-(``LlamaForCausalLM``; ``CpuForwardModel``, whose C forward copies the rows out; the CUDA graph
+(``DecoderLM``; ``CpuForwardModel``, whose C forward copies the rows out; the CUDA graph
 wrapper, whose graphs keep them; ``ModelRunner`` passes it to its model) makes each forward
 also leave ``aux_hidden_states``: ``[T, len(ids) * hidden]`` float32 on the model's device, for
 the T real (unpadded) rows of the forward in its input order, tap ``ids[j]`` in columns

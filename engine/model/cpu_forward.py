@@ -7,7 +7,7 @@ was ~100 small torch ops per layer (norms, RoPE, the KV write, attention, casts,
 each a few microseconds of dispatch. One call per step runs all layers instead; torch keeps the
 embedding lookup, the final norm and everything around the forward.
 
-Same contract as ``LlamaForCausalLM.forward``: a flat batch of requests in any mix of prefill
+Same contract as ``DecoderLM.forward``: a flat batch of requests in any mix of prefill
 chunks, decodes and verifies, K/V written through ``slot_mapping`` into the same paged cache
 tensors ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (fp32), so the torch reference
 backend and this path read each other's cache. Batch invariance holds by construction (the C
@@ -54,8 +54,41 @@ def kernels_summary(model) -> str:
         return "torch"
     lm_head = getattr(model, "lm_head", None)
     if getattr(lm_head, "native", None) is not None:
-        return f"C {native.selected_variant()} GEMMs, torch forward"
+        missing = unsupported_switches(model.config)
+        why = f" (the C forward does not run: {', '.join(missing)})" if missing else ""
+        return f"C {native.selected_variant()} GEMMs, torch forward{why}"
     return f"torch's quantized kernels ({native.unavailable_reason() or 'shapes the C kernels do not take'})"
+
+
+def unsupported_switches(config) -> list[str]:
+    """The config switches (``engine/model/config.py``) the C forward does not run: a model that
+    sets one runs the torch forward over the same C GEMMs (said in the start-up line)."""
+    c, out = config, []
+    if c.qk_norm != "none":
+        out.append("qk_norm")
+    if c.norm_layout != "pre":
+        out.append(f"{c.norm_layout} norms")
+    if c.hidden_act != "silu":
+        out.append(c.hidden_act)
+    if c.rotary_dim != c.resolved_head_dim:
+        out.append("partial rotary")
+    if any(c.layer_window(i) for i in range(c.num_hidden_layers)):
+        out.append("sliding windows")
+    if c.attn_logit_softcapping is not None:
+        out.append("attention soft-cap")
+    if c.attention_scale is not None:
+        out.append("attention scale")
+    if c.residual_multiplier != 1.0:
+        out.append("residual multiplier")
+    if c.sliding_rope_theta is not None:
+        out.append("per-layer RoPE")
+    if c.nope_layers:
+        out.append("NoPE layers")
+    if c.num_experts:
+        out.append("experts")
+    if c.attention_sinks:
+        out.append("attention sinks")
+    return out
 
 
 class CpuForwardModel:
@@ -102,7 +135,7 @@ class CpuForward:
 
     def __init__(self, model):
         self.model = model
-        self._norms = [(lw.input_norm.contiguous(), lw.post_norm.contiguous()) for lw in model.layers]
+        self._norms = [(lw.attn_in_norm.contiguous(), lw.mlp_in_norm.contiguous()) for lw in model.layers]
         self._linears = [tuple(tb_linear(lin) for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)) for lw in model.layers]
         self._table, self._table_key = None, None
         self._aux_tensor, self._aux_key = None, None
@@ -113,6 +146,8 @@ class CpuForward:
         if library() is None or model.dtype != torch.float32 or model.device.type != "cpu":
             return None
         if model.head_dim % 16 or model.head_dim > 256:  # hidden/intermediate: the native linears' K % 32
+            return None
+        if unsupported_switches(model.config):
             return None
         for lw in model.layers:
             for lin in (lw.qkv, lw.o, lw.gate_up, lw.down):

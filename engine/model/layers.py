@@ -1,8 +1,8 @@
-"""Row-wise building blocks for the Llama family, written for batch invariance.
+"""Row-wise building blocks of the decoder, written for batch invariance.
 
 Every op here is either elementwise or row-wise, or a GEMM whose row count is padded to a
-multiple of the GEMM's ``row_multiple`` by the caller (``LlamaForCausalLM.forward`` pads the flat
-batch once, to the largest multiple among its linears). See ``engine/model/llama.py`` for the
+multiple of the GEMM's ``row_multiple`` by the caller (``DecoderLM.forward`` pads the flat batch
+once, to the largest multiple among its linears). See ``engine/model/decoder.py`` for the
 measurements behind it.
 """
 
@@ -32,11 +32,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(dtype)
 
 
-def swiglu(x: torch.Tensor, gate_up: Linear, down: Linear) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))`` with gate/up fused into one ``[2I, H]`` weight."""
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh}
+
+
+def gated_mlp(x: torch.Tensor, gate_up: Linear, down: Linear, act=F.silu) -> torch.Tensor:
+    """``down(act(gate(x)) * up(x))`` with gate/up fused into one ``[2I, H]`` weight (SwiGLU with
+    SiLU; Gemma's GeGLU with tanh-approximated GELU)."""
     gu = gate_up(x)
     inter = gu.shape[-1] // 2
-    return down(F.silu(gu[:, :inter]) * gu[:, inter:])
+    return down(act(gu[:, :inter]) * gu[:, inter:])
 
 
 def _prepack(weight: torch.Tensor):

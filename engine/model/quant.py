@@ -1,6 +1,6 @@
 """Weight-only quantized linears for the CPU (``quantization`` = ``int8`` | ``int4``).
 
-``quantize_model(model, mode)`` replaces every ``layers.Linear`` of a built ``LlamaForCausalLM``
+``quantize_model(model, mode)`` replaces every ``layers.Linear`` of a built ``DecoderLM``
 (q/k/v, o, gate/up, down, lm_head) by a :class:`QuantLinear` holding only the packed weight and
 its scales: the fp32 weight and its oneDNN-packed copy are dropped, so no second copy of the
 weights is kept. The token embedding is a row lookup, not a GEMM: it becomes a
@@ -213,7 +213,7 @@ class Q8Embedding:
 
 
 def quantize_model(model, mode: str):
-    """Swap every ``Linear`` of ``model`` (a built ``LlamaForCausalLM`` on the CPU, fp32) for a
+    """Swap every ``Linear`` of ``model`` (a built ``DecoderLM`` on the CPU, fp32) for a
     ``QuantLinear`` in place and return it, wrapped in the C decoder forward where that runs
     (``CpuForwardModel``: use the returned object); ``none`` returns it unchanged."""
     if mode not in QUANTIZATIONS:
@@ -228,7 +228,7 @@ def quantize_model(model, mode: str):
         return QuantLinear.from_float(lin.weight, m, lin.bias)
 
     for lw in model.layers:
-        lw.qkv, lw.o, lw.gate_up, lw.down = q(lw.qkv), q(lw.o), q(lw.gate_up), q(lw.down)
+        lw.map_linears(q)
     model.lm_head = q(model.lm_head, LM_HEAD_MODE)  # (a tied head reads the float table first)
     model.embed = Q8Embedding.exact_from(model.embed) or model.embed
     model.quantization = mode

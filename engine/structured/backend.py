@@ -15,7 +15,7 @@ On this CPU and the default model's 49k-token vocabulary, against xgrammar 0.2.8
   reject a bad schema at construction.
 
 The interface is what the engine needs and no more: per request a ``GrammarMatcher`` (built from
-the tokenizer-free grammar source, ``api/grammar_source.py``, which is also the check at
+the tokenizer-free grammar source, ``tokenbudget/api/grammar_source.py``, which is also the check at
 ``SamplingParams``) that fills a packed bitmask row, says how many of some tokens it would
 accept, consumes tokens, rolls back, and says when the output is complete.
 """

@@ -3,7 +3,7 @@
 llguidance matchers never raise on user errors: a bad grammar or an illegal token puts the
 matcher into an error state it never leaves. So tokens are checked with ``validate_tokens``
 (which changes nothing) before they are consumed, and a grammar is checked when its source is
-built (``LLMatcher.validate_grammar``, tokenizer-free: ``api/grammar_source.py``) and again
+built (``LLMatcher.validate_grammar``, tokenizer-free: ``tokenbudget/api/grammar_source.py``) and again
 when a matcher is built on the vocabulary.
 """
 

@@ -3,7 +3,7 @@
 Goal: a position's logits are the same bits whether it is decoded alone, verified inside a
 (1 + k)-row verify or computed next to other requests, so greedy speculation is bit-identical
 to plain decoding (the CPU path already is: oneDNN prepacked linears on padded rows and the
-torch_ref attention, see ``engine/model/llama.py``). On CUDA that needs:
+torch_ref attention, see ``engine/model/decoder.py``). On CUDA that needs:
 
 * attention: every decode/verify row through tensor-core decode with ``q_len_per_req`` and no
   KV split (the FlashInfer backend always does this), and prefill chunks with
@@ -43,13 +43,16 @@ def apply_deterministic_mode(model, device: torch.device | str) -> bool:
         return False  # CPU: already batch-invariant without Triton
     from tokenbudget.kernels.rmsnorm_triton import rms_norm_batch_invariant
     model.rms_norm = rms_norm_batch_invariant
-    layers = list(model.layers)
-    for lw in layers:
-        for lin in (lw.qkv, lw.o, lw.gate_up, lw.down):
-            lin.invariant = True
+    linears = [model.lm_head]
+
+    def invariant(lin):
+        lin.invariant = True
+        linears.append(lin)
+        return lin
+    for lw in model.layers:
+        lw.map_linears(invariant)
     model.lm_head.invariant = True
-    logger.info("deterministic mode: batch-invariant matmul for %d linears and RMSNorm on %s",
-                4 * len(layers) + 1, device)
+    logger.info("deterministic mode: batch-invariant matmul for %d linears and RMSNorm on %s", len(linears), device)
     return True
 
 

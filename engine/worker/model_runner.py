@@ -28,7 +28,6 @@ from tokenbudget.engine.worker.sampler import SamplingRow
 from tokenbudget.kernels.attention.base import (
     AttentionBackend,
     AttentionMetadata,
-    AttentionSpec,
 )
 from tokenbudget.kernels.attention.selector import select_attention_backend
 from tokenbudget.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -51,9 +50,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = torch.device(device)
         if attn_backend is None:
-            spec = AttentionSpec(config.num_attention_heads, config.num_key_value_heads,
-                                 config.resolved_head_dim, block_size,
-                                 kv_caches[0].dtype if kv_caches else torch.float32)
+            spec = config.attention_spec(block_size, kv_caches[0].dtype if kv_caches else torch.float32)
             attn_backend = select_attention_backend(self.device, spec, deterministic=deterministic,
                                                     attends_itself=c_forward_name(model))
         self.attn_backend = attn_backend

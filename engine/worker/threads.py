@@ -70,7 +70,7 @@ def set_torch_threads(num_threads: int | None) -> int:
 @contextmanager
 def intra_op_threads(n: int) -> Iterator[None]:
     """``n`` intra-op threads inside, the engine's count restored after. Used by the EAGLE-3 drafter
-    (``engine.worker.eagle3_proposer``): drafting at small batch is many tiny ops (a draft step at
+    (``engine.drafters.eagle3_proposer``): drafting at small batch is many tiny ops (a draft step at
     batch 1: a few hundred microseconds), and every parallel op waits for all its threads: on a
     busy 2-core machine a second thread made a draft step 10-40x slower (measured), so small
     work runs on one thread and large catch-ups (a prompt) on the engine's count."""

@@ -15,7 +15,7 @@ KV cache per layer: ONE tensor ``[num_blocks, 2, block_size, num_kv_heads, head_
 backend uses the very same tensors.
 
 The token batch may be padded past the real tokens (``num_tokens`` real rows, then padding
-rows, see ``engine.model.llama``): padding rows are never written to the cache and their
+rows, see ``engine.model.decoder``): padding rows are never written to the cache and their
 attention output is zero.
 """
 
@@ -38,6 +38,12 @@ class AttentionSpec:
     block_size: int
     dtype: torch.dtype = torch.float32
     scale: float | None = None  # None = head_dim ** -0.5
+    # scores -> cap * tanh(scores / cap) after the scale, before the mask (Gemma 2); None: none
+    logits_soft_cap: float | None = None
+    # the sliding windows some layers attend with (``attend(..., window=w)``), so a backend that
+    # plans per step can plan each once; a window w: a query sees its last w keys, itself included
+    sliding_windows: tuple[int, ...] = ()
+    sinks: bool = False  # layers pass per-head sink logits to ``attend`` (gpt-oss)
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_kv_heads", "head_dim", "block_size"):
@@ -45,6 +51,10 @@ class AttentionSpec:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.logits_soft_cap is not None and not self.logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be positive, got {self.logits_soft_cap!r}")
+        if any(w <= 0 for w in self.sliding_windows):
+            raise ValueError(f"sliding_windows must be positive, got {self.sliding_windows!r}")
 
     @property
     def softmax_scale(self) -> float:
@@ -101,9 +111,13 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor,
-               metadata: AttentionMetadata) -> torch.Tensor:
+               metadata: AttentionMetadata, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``q [Tp, num_heads, head_dim]`` -> ``out [Tp, num_heads, head_dim]`` (padding rows 0).
-        Must be called after ``write_kv`` of the same layer (the context includes the new tokens)."""
+        Must be called after ``write_kv`` of the same layer (the context includes the new tokens).
+        ``window`` > 0 (one of ``spec.sliding_windows``): the query at position i sees keys
+        ``i - window + 1 .. i`` only (a sliding-window layer); 0: its whole context. ``sinks``
+        (``[num_heads]`` fp32, with ``spec.sinks``): a logit per head that joins each softmax's
+        denominator and attends to nothing (gpt-oss's attention sinks)."""
 
 
 def check_metadata_inputs(qo_indptr: list[int], kv_lens: list[int],

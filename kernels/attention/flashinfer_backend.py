@@ -223,7 +223,9 @@ class FlashInferBackend(AttentionBackend):
         _write_kv(k[:n], v[:n], kv_cache, metadata.slot_mapping[:n])
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor,
-               metadata: AttentionMetadata) -> torch.Tensor:
+               metadata: AttentionMetadata, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if window or sinks is not None:
+            raise NotImplementedError("sliding-window attention and sinks are not planned on FlashInfer yet")
         d: FlashInferData = metadata.backend_data
         FlashInferBackend.attend_calls += 1
         if d.generation != d.owner.generation:

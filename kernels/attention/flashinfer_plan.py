@@ -24,6 +24,10 @@ def flashinfer_refusal(spec: AttentionSpec, device: torch.device) -> str:
         return f"needs a float16/bfloat16 KV cache, got {spec.dtype}"
     if spec.head_dim < MIN_HEAD_DIM:
         return f"head_dim {spec.head_dim} < {MIN_HEAD_DIM}"
+    if spec.sliding_windows or spec.logits_soft_cap is not None:
+        return "sliding-window layers and logit soft-capping are not planned on FlashInfer yet"
+    if spec.sinks:
+        return "attention sinks are not planned on FlashInfer yet"
     return ""
 
 

@@ -81,10 +81,11 @@ class _Tile:
     r0: int
     r1: int
     qbuf: torch.Tensor     # [Hk, M, D] fp32, padding rows zero; M = round_up(G * (r1 - r0), 4)
-    # [M, np] fp32: 0 where the key is visible, -inf elsewhere. Built once per step for a request
-    # of one tile (decodes, verifies, chunks <= Q_TILE: the hot path); None for a longer prefill,
-    # whose tiles build it per layer (M x np per tile instead of q_len x np held for the step).
-    bias: torch.Tensor | None
+    # window -> [M, np] fp32: 0 where the key is visible, -inf elsewhere. Kept for the step for a
+    # request of one tile (decodes, verifies, chunks <= Q_TILE: the hot path), one per window the
+    # layers use (0: the full causal mask); None for a longer prefill, whose tiles build it per
+    # layer (M x np per tile instead of q_len x np held for the step).
+    biases: dict[int, torch.Tensor] | None
 
 
 @dataclass(slots=True)
@@ -159,15 +160,18 @@ class TorchRefBackend(AttentionBackend):
     def _tile(self, r0: int, r1: int, q_len: int, kv_len: int, np_: int, keep_bias: bool) -> _Tile:
         hk, d = self.spec.num_kv_heads, self.spec.head_dim
         m = _round_up(self.spec.num_heads // hk * (r1 - r0), ROW_PAD)
-        bias = self._bias(r0, m, q_len, kv_len, np_) if keep_bias else None
-        return _Tile(r0, r1, torch.zeros(hk, m, d, device=self.device), bias)
+        return _Tile(r0, r1, torch.zeros(hk, m, d, device=self.device), {} if keep_bias else None)
 
-    def _bias(self, r0: int, m: int, q_len: int, kv_len: int, np_: int) -> torch.Tensor:
-        """``[m, np]``: 0 where GEMM row ``r * G + gi`` (position ``r0 + r``) sees the key, else -inf."""
+    def _bias(self, r0: int, m: int, q_len: int, kv_len: int, np_: int, window: int) -> torch.Tensor:
+        """``[m, np]``: 0 where GEMM row ``r * G + gi`` (position ``r0 + r``) sees the key, else -inf
+        (causal; with ``window`` > 0 also only the last ``window`` keys up to the row's own)."""
         g, dev = self.spec.num_heads // self.spec.num_kv_heads, self.device
         i = (r0 + torch.arange(m, device=dev) // g).clamp_(max=q_len - 1).unsqueeze(1)  # padding: last row
         j = torch.arange(np_, device=dev).unsqueeze(0)
-        allowed = (j <= i + (kv_len - q_len)) & (j < kv_len)
+        last = i + (kv_len - q_len)  # the row's own position: its last visible key
+        allowed = (j <= last) & (j < kv_len)
+        if window:
+            allowed &= j > last - window
         return torch.zeros(m, np_, device=dev).masked_fill_(~allowed, float("-inf"))
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -178,16 +182,17 @@ class TorchRefBackend(AttentionBackend):
         flat.index_copy_(0, rows + self.spec.block_size, v[:n].to(kv_cache.dtype))
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor,
-               metadata: AttentionMetadata) -> torch.Tensor:
+               metadata: AttentionMetadata, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         n = metadata.num_tokens
         out = torch.empty_like(q)
         out[n:].zero_()
         flat = _flat(kv_cache)
         for p in self._data(metadata).plans:
-            out[p.q_start:p.q_start + p.q_len] = self._attend_one(q, flat, p)
+            out[p.q_start:p.q_start + p.q_len] = self._attend_one(q, flat, p, window, sinks)
         return out
 
-    def _attend_one(self, q: torch.Tensor, flat: torch.Tensor, p: _ReqPlan) -> torch.Tensor:
+    def _attend_one(self, q: torch.Tensor, flat: torch.Tensor, p: _ReqPlan, window: int,
+                    sinks: torch.Tensor | None) -> torch.Tensor:
         hk, d, kv_len = self.spec.num_kv_heads, self.spec.head_dim, p.kv_len
         g = self.spec.num_heads // hk
         p.kbuf[:, :kv_len] = flat.index_select(0, p.k_rows).transpose(0, 1)
@@ -200,19 +205,31 @@ class TorchRefBackend(AttentionBackend):
             rows = t.r1 - t.r0
             qt = q[p.q_start + t.r0:p.q_start + t.r1].view(rows, hk, g, d)
             t.qbuf[:, :rows * g].view(hk, rows, g, d).copy_(qt.permute(1, 0, 2, 3))
-            bias = t.bias if t.bias is not None else self._bias(t.r0, t.qbuf.shape[1], p.q_len, kv_len,
-                                                                 p.kbuf.shape[1])
-            o = self._rows(t.qbuf, k_t, v_tiles, bias, nt)
+            bias = t.biases.get(window) if t.biases is not None else None
+            if bias is None:
+                bias = self._bias(t.r0, t.qbuf.shape[1], p.q_len, kv_len, p.kbuf.shape[1], window)
+                if t.biases is not None:
+                    t.biases[window] = bias
+            o = self._rows(t.qbuf, k_t, v_tiles, bias, nt, sinks)
             outs.append(o[:, :rows * g].view(hk, rows, g, d).permute(1, 0, 2, 3).reshape(rows, hk * g, d))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _rows(self, qg: torch.Tensor, k_t: torch.Tensor, v_tiles: torch.Tensor, bias: torch.Tensor,
-              nt: int) -> torch.Tensor:
+              nt: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``qg [Hk, M, D]`` -> ``[Hk, M, D]``: softmax(scale q k^T + bias) @ V, the denominator from
-        the ones column of V (same GEMM), key tiles summed in order. Every GEMM has 4 rows."""
+        the ones column of V (same GEMM), key tiles summed in order. Every GEMM has 4 rows. With
+        ``sinks`` each row's max and denominator also count its head's sink logit."""
         hk, m, d = qg.shape
-        s = _bmm_row_blocks(qg, k_t).mul_(self.spec.softmax_scale).add_(bias)   # [Hk, M, np]
-        s = s.sub_(s.amax(-1, keepdim=True)).exp_()
+        s = _bmm_row_blocks(qg, k_t).mul_(self.spec.softmax_scale)   # [Hk, M, np]
+        if (cap := self.spec.logits_soft_cap) is not None:  # HF's order: scale, / cap, tanh, * cap, mask
+            s = s.div_(cap).tanh_().mul_(cap)
+        s = s.add_(bias)
+        top = s.amax(-1, keepdim=True)
+        if sinks is not None:  # GEMM row j of kv head h is query head h * G + j % G
+            g = self.spec.num_heads // hk
+            sink = sinks.float().view(hk, g)[:, torch.arange(m, device=s.device) % g].unsqueeze(-1)  # [Hk, M, 1]
+            top = torch.maximum(top, sink)
+        s = s.sub_(top).exp_()
         if nt == 1:
             acc = _bmm_row_blocks(s, v_tiles)
         else:
@@ -221,7 +238,8 @@ class TorchRefBackend(AttentionBackend):
             acc = o[:, 0]
             for t in range(1, nt):
                 acc = acc + o[:, t]
-        return acc[..., :d] / acc[..., d:]
+        denom = acc[..., d:] if sinks is None else acc[..., d:] + (sink - top).exp()
+        return acc[..., :d] / denom
 
 
 def _bmm_row_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,3 @@
 errors, and the one cache root. The bottom of the stack (docs/DESIGN.md, "Layers"): nothing
 here imports another tokenbudget package, so any of them can import these.
 """
-
-if __name__ != "tokenbudget.api":  # a second copy of every module would be loaded
-    raise ImportError("this folder installs as tokenbudget.api: `import tokenbudget` instead")

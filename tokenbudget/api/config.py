@@ -14,7 +14,10 @@ import msgspec
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
-    model: str | None = None  # HF directory or .gguf file; None = SmolLM2-135M-Instruct
+    # HF directory, .gguf file or Hugging Face Hub id (org/name, org/name:Q8_0, org/name/file.gguf);
+    # None = SmolLM2-135M-Instruct
+    model: str | None = None
+    revision: str | None = None  # a hub id's branch, tag or commit (huggingface_hub's revision)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on CUDA
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # CPU fp32 only: weight-only quantized GEMMs (engine/model/quant.py); none = the float path;

@@ -8,13 +8,13 @@ room for the draft positions. A forward is a ``SchedulerOutput``-shaped batch of
 through :func:`engine.input_batch.prepare_inputs`, exactly like the target's step.
 
 Self-drafting (first N layers of the target): :func:`truncated_view` returns a shallow copy of
-the target ``LlamaForCausalLM`` whose ``layers`` list holds the first N ``LayerWeights`` objects.
-Every tensor (embeddings, layer weights, final norm, lm head, RoPE table) is SHARED with the
+the target ``DecoderLM`` whose ``layers`` list holds the first N ``LayerWeights`` objects.
+Every tensor (embeddings, layer weights, final norm, lm head, RoPE tables) is SHARED with the
 target, no copy; the target's own ``forward`` / ``compute_logits`` run on the view unchanged
-(``forward`` loops over ``zip(self.layers, kv_caches)`` and then applies the final norm), so no
-change to ``engine/model/llama.py`` is needed. ``engine/model/llama.py`` must keep its layer loop
-over ``self.layers`` for this to stay true (``test_draft_model`` checks the view against the
-target's first N layers).
+(``forward`` loops over ``zip(self.layers, kv_caches)`` and then applies the final norm; a layer's
+window and RoPE table are on its ``LayerWeights``). ``engine/model/decoder.py`` must keep its
+layer loop over ``self.layers`` for this to stay true (``test_draft_model`` checks the view against
+the target's first N layers).
 
 Memory: the drafter's KV cache is allocated on top of the target's budget
 (``num_blocks * kv_cache_block_bytes(draft_config)``; for self_draft N/L of the target's KV).
@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import copy
 
-import msgspec
 import torch
 
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.model.cpu_forward import CpuForwardModel
 from tokenbudget.engine.worker.input_batch import prepare_inputs
 from tokenbudget.engine.worker.kv_cache_alloc import allocate_kv_caches
-from tokenbudget.kernels.attention.base import AttentionSpec
 from tokenbudget.kernels.attention.selector import select_attention_backend
 from tokenbudget.scheduler.output import ScheduledRequest, SchedulerOutput
 
@@ -59,16 +57,14 @@ class DraftRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.kv_caches = allocate_kv_caches(config, num_blocks, block_size, dtype, self.device)
-        spec = AttentionSpec(config.num_attention_heads, config.num_key_value_heads,
-                             config.resolved_head_dim, block_size, dtype)
-        self.attn_backend = select_attention_backend(self.device, spec)
+        self.attn_backend = select_attention_backend(self.device, config.attention_spec(block_size, dtype))
 
     @classmethod
     def self_draft(cls, target_model: torch.nn.Module, target_config: ModelConfig, num_layers: int,
                    num_blocks: int, block_size: int, dtype: torch.dtype,
                    device: torch.device | str) -> DraftRunner:
         view = truncated_view(target_model, num_layers)
-        cfg = msgspec.structs.replace(target_config, num_hidden_layers=num_layers)
+        cfg = target_config.first_layers(num_layers)
         return cls(view, cfg, num_blocks, block_size, dtype, device)
 
     @staticmethod

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tokenbudget.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from tokenbudget.scheduler.request import Request
-from tokenbudget.spec.proposer import BaseProposer
+from tokenbudget.spec.proposer import BaseProposer, Proposal
 
 MASK = (1 << 64) - 1
 SEED_STATE = 0x9E3779B97F4A7C15
@@ -123,7 +123,7 @@ class FakeDrafter(BaseProposer):
         self._state[request.request_id] = (len(tokens), state)
         return state
 
-    def propose(self, requests, num_tokens) -> list[list[int]]:
+    def propose(self, requests, num_tokens) -> Proposal:
         out = []
         for request, limit in zip(requests, num_tokens):
             forced = self.forced.get(request.request_id)
@@ -138,7 +138,7 @@ class FakeDrafter(BaseProposer):
                 drafts.append(token)
                 state = mix(state, token)
             out.append(drafts)
-        return out
+        return Proposal(out)
 
     def on_finished(self, request: Request) -> None:
         self._state.pop(request.request_id, None)

@@ -36,7 +36,9 @@ def add_parser(sub) -> None:
     p.add_argument("prompt", nargs="?", help="a prompt to stream (omit with --input)")
     p.add_argument("--input", help="JSONL file of prompts")
     p.add_argument("--output", help="JSONL file for the outputs (default: stdout)")
-    p.add_argument("--model", help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help="HF directory, .gguf file or Hugging Face Hub id org/name "
+                                   "(default: SmolLM2-135M-Instruct)")
+    p.add_argument("--revision", default=None, help="a hub id's branch, tag or commit")
     template = p.add_mutually_exclusive_group()
     template.add_argument("--chat", action="store_true",
                           help="apply the model's chat template to string prompts (the default when it has one)")
@@ -101,7 +103,7 @@ def run(args) -> int:
     if (args.prompt is None) == (args.input is None):
         raise ValueError("give either a prompt or --input FILE")
     from tokenbudget.engine.entrypoints.llm import LLM
-    options = dict(dtype=args.dtype, quantization=args.quantization, device=args.device,
+    options = dict(revision=args.revision, dtype=args.dtype, quantization=args.quantization, device=args.device,
                    max_model_len=args.max_model_len,
                    max_num_seqs=args.max_num_seqs, num_threads=args.threads,
                    speculative_config=speculative_config_from_args(args))

@@ -15,10 +15,10 @@ def build_proposer(config: SpeculativeConfig, max_model_len: int, target=None, s
         from tokenbudget.spec.suffix import SuffixProposer
         return SuffixProposer.from_config(config, max_model_len)
     if config.method in ("draft_model", "self_draft"):
-        from tokenbudget.engine.worker.draft_model import DraftModelProposer
+        from tokenbudget.engine.drafters.draft_model import DraftModelProposer
         return DraftModelProposer.from_config(config, max_model_len, target, scheduler)
     if config.method == "eagle3":
-        from tokenbudget.engine.worker.eagle3_build import build_eagle3_proposer
+        from tokenbudget.engine.drafters.eagle3_build import build_eagle3_proposer
         return build_eagle3_proposer(config, max_model_len, target, scheduler, runner)
     raise ValueError(f"speculative_config['method'] {config.method!r} is not supported")
 

@@ -16,12 +16,15 @@ from tokenbudget.cli.generate import SPEC_METHODS, num_spec_tokens, speculative_
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (pip install 'tokenbudget[serve]')")
-    p.add_argument("model", nargs="?", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF directory, .gguf file or Hugging Face Hub id org/name (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--revision", default=None, help="a hub id's branch, tag or commit")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("TOKENBUDGET_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $TOKENBUDGET_API_KEY)")
-    p.add_argument("--served-model-name", default=None, help="model name in the API (default: the file's name)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name in the API (default: the hub id, or the file's name)")
     p.add_argument("--grace-period", type=float, default=30.0, help="seconds to drain requests on SIGTERM")
     p.add_argument("--spec-method", choices=SPEC_METHODS)
     p.add_argument("--spec-model", default=None,
@@ -54,9 +57,20 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-_ENGINE_FLAGS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
-                 "block_size", "scheduling_policy", "num_threads", "seed", "long_prefill_token_threshold",
-                 "max_queued_requests", "max_queued_tokens", "max_grammar_mask_ms", "max_batch_grammar_mask_ms")
+_ENGINE_FLAGS = ("revision", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                 "kv_cache_memory_bytes", "block_size", "scheduling_policy", "num_threads", "seed",
+                 "long_prefill_token_threshold", "max_queued_requests", "max_queued_tokens", "max_grammar_mask_ms",
+                 "max_batch_grammar_mask_ms")
+
+
+def served_name(model: str | None) -> str:
+    """The API's model name by default: a hub id as typed (vLLM's), a path's last component."""
+    from tokenbudget.engine.loader.hub import is_hub_id
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    if is_hub_id(model) and not os.path.exists(os.path.expanduser(model)):
+        return model
+    return os.path.basename(os.path.normpath(model))
 
 
 def run(args) -> int:
@@ -72,8 +86,7 @@ def run(args) -> int:
         options["cuda_graphs"] = True
     options["speculative_config"] = speculative_config_from_args(args)
     EngineConfig.from_kwargs(model=args.model, **options)  # a bad flag: ValueError before the port opens
-    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
-                                      else "SmolLM2-135M-Instruct")
+    name = args.served_model_name or served_name(args.model)
     from tokenbudget.engine.serve.limits import ServerLimits
     limits = ServerLimits(**{name: getattr(args, name) for name in ServerLimits.__struct_fields__})
 

@@ -27,7 +27,7 @@ When the drafter's KV is thrown away (``num_draft_computed = 0``):
 * preemption (``request.num_preemptions`` changed): the request's blocks were freed and it was
   recomputed into new ones.
 
-Sampling: ``engine.worker.draft_sampling`` (shared with the EAGLE-3 drafter).
+Sampling: ``engine.drafters.draft_sampling`` (shared with the EAGLE-3 drafter).
 
 Transactions: ``propose`` records the drafter state of every request it touches; ``rollback``
 puts those records back (the drafter KV they describe was not overwritten: a step only writes
@@ -55,11 +55,11 @@ from types import SimpleNamespace
 
 import torch
 
-from tokenbudget.engine.worker.draft_runner import DraftRunner
-from tokenbudget.engine.worker.draft_sampling import sample_drafts, wants_probs
+from tokenbudget.engine.drafters.draft_runner import DraftRunner
+from tokenbudget.engine.drafters.draft_sampling import sample_drafts, wants_probs
 from tokenbudget.scheduler.drafts import draft_limit
 from tokenbudget.scheduler.request import Request
-from tokenbudget.spec.proposer import BaseProposer
+from tokenbudget.spec.proposer import BaseProposer, Proposal
 
 
 @dataclass(slots=True)
@@ -81,7 +81,6 @@ class DraftModelProposer(BaseProposer):
         self.max_batch_tokens = max_batch_tokens
         self._state: dict[str, _DraftState] = {}
         self._undo: dict[str, tuple[int, int] | None] = {}  # this step's touched states, as they were
-        self._probs: list[torch.Tensor | None] | None = None
         # Counters (for tests and benchmarks): tokens the drafter ran, split by kind.
         self.num_catchup_tokens = 0
         self.num_draft_forward_tokens = 0
@@ -108,7 +107,9 @@ class DraftModelProposer(BaseProposer):
         return cls(runner, scheduler.kv, max_model_len, sched_cfg.max_num_batched_tokens)
 
     # ---- Proposer interface ----
-    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
+    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> Proposal:
+        """The drafts, with q ``[len(drafts), V]`` float32 for the requests that hand it over
+        (``draft_sampling.wants_probs``), None for the others (greedy, seeded, no drafts)."""
         if len(requests) != len(num_tokens):
             raise ValueError(f"num_tokens has {len(num_tokens)} entries for {len(requests)} requests")
         drafts: list[list[int]] = [[] for _ in requests]
@@ -129,14 +130,13 @@ class DraftModelProposer(BaseProposer):
                 sample_drafts(self.runner.forward(chunks), requests, rows, drafts, probs)
             for i in active:
                 self._state[requests[i].request_id].num_computed = requests[i].num_tokens + ks[i] - 1
-        self._probs = [torch.stack(p) if p else None for p in probs]
-        return drafts
+        return Proposal(drafts, [torch.stack(p) if p else None for p in probs])
 
     def probe_cost(self, num_tokens: int) -> float:
         """Seconds a draft of ``num_tokens`` tokens costs the drafter for one request: a one-row
         catch-up and ``num_tokens - 1`` one-row forwards, each with its argmax, on throw-away KV
         in blocks 0.. (at start-up, where the controller's prior is timed, no request holds them;
-        ``engine.worker.step_cost`` writes the target's the same way)."""
+        ``engine.drafters.step_cost`` writes the target's the same way)."""
         runner = self.runner
         probe = SimpleNamespace(request_id="__draft_cost_probe__")
         blocks = list(range(-(-num_tokens // runner.block_size)))
@@ -145,12 +145,6 @@ class DraftModelProposer(BaseProposer):
             for pos in range(num_tokens):
                 runner.forward([runner.chunk(probe, pos, [0], blocks, True)]).argmax(dim=-1).tolist()
         return time.perf_counter() - start
-
-    def take_draft_probs(self) -> list[torch.Tensor | None] | None:
-        """Per request of the last ``propose``: q ``[len(drafts), V]`` float32, or None (greedy
-        request, or no drafts). Handed over once."""
-        probs, self._probs = self._probs, None
-        return probs
 
     def on_finished(self, request: Request) -> None:
         self._state.pop(request.request_id, None)
@@ -165,7 +159,6 @@ class DraftModelProposer(BaseProposer):
             else:
                 self._state[rid] = _DraftState(*saved)
         self._undo.clear()
-        self._probs = None
 
     @property
     def num_tracked_requests(self) -> int:

@@ -4,6 +4,3 @@ It drives the real ``EngineCore``, so it sits above the engine (docs/DESIGN.md, 
 Users fuzz their own scheduler settings with ``tokenbudget fuzz --config FILE`` or by running
 ``tokenbudget.testing.state_machine.machine_for(config).TestCase`` under pytest.
 """
-
-if __name__ != "tokenbudget.testing":  # a second copy of every module would be loaded
-    raise ImportError("this folder installs as tokenbudget.testing: `import tokenbudget` instead")

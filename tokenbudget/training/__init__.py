@@ -7,6 +7,3 @@ the three tap states (docs: issue 27, Contract 2) and the target's next-token to
 vocabulary -> training with EAGLE-3's training-time test -> export in the published layout ->
 held-out acceptance. Sits above the front-ends (it generates with ``LLM``) and below the CLI.
 """
-
-if __name__ != "tokenbudget.training":  # a second copy of every module would be loaded
-    raise ImportError("this folder installs as tokenbudget.training: `import tokenbudget` instead")

@@ -1,6 +1,6 @@
 """The EAGLE-3 head's K/V for one request, and attention over it.
 
-``HeadState`` keeps what the drafter knows of a request (``engine.worker.eagle3_proposer``): the
+``HeadState`` keeps what the drafter knows of a request (``engine.drafters.eagle3_proposer``): the
 head's K/V over the positions it ran (rows ``[0, n)`` of one buffer ``[2, capacity, Hk, D]``, K
 then V, the layout the C forward's attention reads; it grows by doubling; rows past ``n`` are
 scratch, the draft steps' K/V), ``next_pos``, the tap rows queued for it, the last run

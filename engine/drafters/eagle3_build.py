@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import os
 
+from tokenbudget.engine.drafters.eagle3_proposer import Eagle3Proposer
 from tokenbudget.engine.model.eagle3 import load_eagle3
 from tokenbudget.engine.model.eagle3_cpu import Eagle3CpuForward, quantize_head
 from tokenbudget.engine.model.rope import RotaryTable
-from tokenbudget.engine.worker.eagle3_proposer import Eagle3Proposer
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 SHIPPED_HEAD = "smollm2-135m-instruct-eagle3"
@@ -68,8 +68,9 @@ def build_eagle3_proposer(spec_config, max_model_len: int, target, scheduler, ru
     if not all(0 <= i < tcfg.num_hidden_layers for i in c.aux_layer_ids):
         raise ValueError(f"speculative_config.model: {path!r} taps layers {list(c.aux_layer_ids)}, the target "
                          f"has {tcfg.num_hidden_layers}")
-    if c.max_position_embeddings < max_model_len:  # RoPE is a formula: extend the table
-        head._rope = RotaryTable(c.head_dim, c.rope_theta, None, max_model_len, head.fc.weight.dtype, target.device)
+    # the engine's positions, whatever the head was trained to (RoPE is a formula: extend the table)
+    head._rope = RotaryTable(c.head_dim, c.rope_theta, None, max(c.max_position_embeddings, max_model_len),
+                             head.fc.weight.dtype, target.device, positions=max_model_len)
     cpu_forward = None
     if target.quantization in ("int8", "int4") and target.device.type == "cpu":
         quantize_head(head, target.quantization)

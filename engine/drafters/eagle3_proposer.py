@@ -49,7 +49,7 @@ position, so it drafts the next step where the repetition stops.
 Logits: the head's draft-vocabulary logits are scattered into the target vocabulary through
 ``d2t``; ids outside the draft vocabulary get ``OUTSIDE`` (finite, so a row the request's bans
 leave with only non-draft ids still has a token and is never taken for a request fault). Then the
-shared model-drafter sampling (``engine.worker.draft_sampling``): q for rejection sampling is the
+shared model-drafter sampling (``engine.drafters.draft_sampling``): q for rejection sampling is the
 head's own distribution.
 """
 
@@ -60,13 +60,13 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from tokenbudget.engine.drafters.draft_sampling import sample_drafts, wants_probs
+from tokenbudget.engine.drafters.eagle3_kv import HeadState, segment_attend
 from tokenbudget.engine.model.eagle3 import Eagle3Head
-from tokenbudget.engine.worker.draft_sampling import sample_drafts, wants_probs
-from tokenbudget.engine.worker.eagle3_kv import HeadState, segment_attend
 from tokenbudget.engine.worker.threads import intra_op_threads
 from tokenbudget.scheduler.drafts import draft_limit
 from tokenbudget.scheduler.request import Request
-from tokenbudget.spec.proposer import BaseProposer
+from tokenbudget.spec.proposer import BaseProposer, Proposal
 
 OUTSIDE = -1e30  # logit of a target id outside the draft vocabulary
 # Committed tap rows kept per request before the oldest are dropped (a gap, like a cache hit). A
@@ -97,7 +97,6 @@ class Eagle3Proposer(BaseProposer):
         self._target_ids = head.to_target_ids(torch.arange(c.draft_vocab_size, device=self.device))
         self._state: dict[str, HeadState] = {}
         self._undo: dict[str, tuple | None] = {}
-        self._probs: list[torch.Tensor | None] | None = None
         self._threads = torch.get_num_threads()  # the engine's intra-op threads (propose runs on fewer)
         # Counters (tests, benchmarks): head rows run over target states / from its own outputs.
         self.num_catchup_tokens = 0
@@ -136,12 +135,14 @@ class Eagle3Proposer(BaseProposer):
 
     # ---- Proposer interface ----
     @torch.inference_mode()
-    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
+    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> Proposal:
+        """The drafts, with q ``[len(drafts), V]`` float32 where the request hands it over
+        (``draft_sampling.wants_probs``; never for a suffix draft), else None."""
         self._threads = torch.get_num_threads()
         with intra_op_threads(1 if len(requests) <= SMALL_WORK else self._threads):
             return self._propose(requests, num_tokens)
 
-    def _propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
+    def _propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> Proposal:
         if len(requests) != len(num_tokens):
             raise ValueError(f"num_tokens has {len(num_tokens)} entries for {len(requests)} requests")
         drafts: list[list[int]] = [[] for _ in requests]
@@ -173,8 +174,7 @@ class Eagle3Proposer(BaseProposer):
                     hidden[i] = h[r]
                 self.num_draft_forward_tokens += len(rows)
                 self._sample(out, requests, rows, drafts, probs, greedy)
-        self._probs = [torch.stack(p) if p else None for p in probs]
-        return drafts
+        return Proposal(drafts, [torch.stack(p) if p else None for p in probs])
 
     def free_drafts(self, requests: Sequence[Request], caps: Sequence[int]
                     ) -> list[tuple[list[int], Hashable] | None]:
@@ -185,9 +185,9 @@ class Eagle3Proposer(BaseProposer):
         if self.suffix is None:
             return out
         ks = [draft_limit(r, self.max_model_len, c) for r, c in zip(requests, caps)]
-        drafts = self.suffix.propose(requests, ks)
-        kinds = self.suffix.take_draft_kinds()
-        for i, d in enumerate(drafts):
+        proposal = self.suffix.propose(requests, ks)
+        kinds = proposal.kinds
+        for i, d in enumerate(proposal.token_ids):
             if d and len(d) >= min(ks[i], SUFFIX_MIN_DRAFT):
                 out[i] = (d, ("suffix", kinds[i]))
                 self.num_suffix_drafts += 1
@@ -210,11 +210,6 @@ class Eagle3Proposer(BaseProposer):
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    def take_draft_probs(self) -> list[torch.Tensor | None] | None:
-        """Per request of the last ``propose``: q ``[len(drafts), V]`` float32, or None. Handed over once."""
-        probs, self._probs = self._probs, None
-        return probs
-
     def on_finished(self, request: Request) -> None:
         self._state.pop(request.request_id, None)
         self._undo.pop(request.request_id, None)
@@ -235,7 +230,6 @@ class Eagle3Proposer(BaseProposer):
             else:
                 self._state[rid] = HeadState(*saved)
         self._undo.clear()
-        self._probs = None
 
     @property
     def num_tracked_requests(self) -> int:

@@ -1,0 +1,1 @@
+"""The ``tokenbudget`` console script (``main``) and its sub-commands, one module each."""
