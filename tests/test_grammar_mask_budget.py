@@ -4,7 +4,8 @@ each within its own per-step budget, made every step of a neighbouring stream 10
 The planner (``MaskBudget``) over many cost patterns (Hypothesis): what it lets run fits the
 budget or is one request, and nobody waits for ever. Then the engine through the real server,
 with a budget so small that at most one structured request can have masks in a step: that is
-what happens, while a plain neighbour runs every step and every answer is still right.
+what happens, they wait while a plain neighbour runs, and every answer is still right. Last,
+admission: past ``max_grammar_mask_ms_in_flight`` a structured request is a 429.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from tokenbudget import AsyncLLM
 from tokenbudget.engine.structured.mask_budget import MaskBudget
 
+from engine_fixtures import StepGate  # noqa: E402
 from serve_fixtures import KEY, running_server, wait_idle  # noqa: E402
 from tiny_llama import make_tiny_llama  # noqa: E402
 
@@ -29,18 +31,20 @@ COSTS = st.lists(st.floats(min_value=1e-5, max_value=0.02), min_size=1, max_size
 
 
 @settings(max_examples=100, deadline=None)
-@given(COSTS, st.floats(min_value=1e-3, max_value=0.02))
-def test_what_runs_fits_the_budget_and_every_request_runs_within_a_bound(costs, seconds):
+@given(COSTS, st.floats(min_value=1e-3, max_value=0.02), st.booleans())
+def test_what_runs_fits_the_budget_and_every_request_runs_within_a_bound(costs, seconds, alone):
+    """``alone``: no other request is in flight, so a step runs at least one; otherwise a step
+    may run none (the masks take the budget on average)."""
     budget = MaskBudget(seconds)
     estimates = {f"r{i}": cost for i, cost in enumerate(costs)}
     share = seconds / len(costs)
     bound = len(costs) * (int(max(costs) / share) + 2)  # steps to earn one mask's credit, then a turn
     last_ran = dict.fromkeys(estimates, 0)
     for step in range(1, 2 * bound):
-        waiting = budget.defer(estimates)
+        waiting = budget.defer(estimates, alone)
         ran = [rid for rid in estimates if rid not in waiting]
-        assert ran, "a step with structured requests runs at least one"
-        assert len(ran) == 1 or sum(estimates[r] for r in ran) <= seconds * (1 + 1e-9)
+        assert ran or not alone, "a step with only structured requests runs at least one"
+        assert len(ran) <= 1 or sum(estimates[r] for r in ran) <= seconds * (1 + 1e-9)
         for rid in ran:
             budget.charge(rid, estimates[rid])
             last_ran[rid] = step
@@ -61,13 +65,14 @@ def llm(tmp_path_factory) -> AsyncLLM:
 
 
 def test_at_most_one_structured_request_has_masks_in_a_step_and_answers_are_right(llm):
-    structured = llm.engine.core.structured
-    steps: list[tuple[int, int]] = []  # (structured requests masked, rows scheduled)
+    core = llm.engine.core
+    structured = core.structured
+    steps: list[tuple[int, int, int]] = []  # (structured requests masked, rows scheduled, requests left out)
     original = structured.grammar_bitmask
 
     def spy(sched):
         masks = original(sched)
-        steps.append((len(masks or {}), len(sched.scheduled)))
+        steps.append((len(masks or {}), len(sched.scheduled), len(core._skip)))
         return masks
 
     structured.grammar_bitmask = spy
@@ -100,5 +105,34 @@ def test_at_most_one_structured_request_has_masks_in_a_step_and_answers_are_righ
     choices = out["grammar"].json()["choices"]
     assert len(choices) == 6 and all(re.fullmatch(pattern[1:-1], c["message"]["content"].strip('"'))
                                      for c in choices)
-    assert max(masked for masked, _ in steps) == 1
-    assert sum(1 for masked, rows in steps if masked == 1 and rows >= 2) >= 10  # the neighbour ran beside them
+    assert max(masked for masked, _, _ in steps) == 1
+    assert sum(1 for _, rows, left_out in steps if rows >= 1 and left_out) >= 10  # the neighbour ran, they waited
+
+
+def test_structured_requests_past_the_grammar_load_in_flight_get_429(tmp_path):
+    """While one structured request is in flight (steps held at a gate), a second one would
+    take the masks in flight past ``max_grammar_mask_ms_in_flight``: 429 naming it; a plain
+    request is admitted; once the first is done, structured requests are admitted again."""
+    path = make_tiny_llama(tmp_path / "llama", layers=1, hidden=32, scale=25.0)
+    llm = AsyncLLM(path, num_threads=1, kv_cache_memory_bytes=4 << 20, max_model_len=256,
+                   max_grammar_mask_ms_in_flight=1e-6)
+    structured = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "string", "pattern": "^[ab]{3}$"}}}}
+    plain = {"prompt": "hi", "max_tokens": 2}
+    first: list[httpx.Response] = []
+    with running_server(llm) as url, StepGate(llm) as gate:
+        thread = threading.Thread(target=lambda: first.append(
+            httpx.post(f"{url}/v1/chat/completions", json=structured, headers=AUTH, timeout=60)))
+        thread.start()
+        gate.run_until(lambda: gate.parked)  # the first is in the engine; its step waits
+        second = httpx.post(f"{url}/v1/chat/completions", json=structured, headers=AUTH, timeout=60)
+        assert second.status_code == 429 and "max_grammar_mask_ms_in_flight" in second.json()["error"]["message"]
+        other = threading.Thread(target=lambda: first.append(
+            httpx.post(f"{url}/v1/completions", json=plain, headers=AUTH, timeout=60)))
+        other.start()
+        gate.open()
+        thread.join(60)
+        other.join(60)
+        assert [r.status_code for r in first] == [200, 200]
+        wait_idle(llm)
+        assert httpx.post(f"{url}/v1/chat/completions", json=structured, headers=AUTH, timeout=60).status_code == 200

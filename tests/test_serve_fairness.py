@@ -170,6 +170,40 @@ def test_preparation_is_bounded_and_takes_clients_in_turn(served):
     assert queue.total == 0 and not queue.per_client
 
 
+def test_a_request_whose_client_left_leaves_the_preparation_queue(served):
+    """Its place is given up at once and it is never prepared (the queue once worked through
+    every request a departed attacker had sent)."""
+    url, server = served
+    with gated_preparation(server) as (gate, started, queue):
+        threads = [threading.Thread(target=httpx.post, args=(f"{url}{COMPLETIONS}",),
+                                    kwargs={"json": {"prompt": p, "max_tokens": 1}, "headers": AUTH, "timeout": 60})
+                   for p in ("x1", "x2")]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while len(started) < 2:  # both threads busy
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        body = json.dumps({"prompt": "gone", "max_tokens": 1}).encode()
+        with socket.create_connection(address(url)) as leaving:
+            leaving.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                            + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+                            + b"\r\n\r\n" + body)
+            deadline = time.monotonic() + 30
+            while queue.total < 3:
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+        deadline = time.monotonic() + 30
+        while queue.total > 2:  # it left: its place is given up before any thread is free
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        gate.release()
+        gate.release()
+        for thread in threads:
+            thread.join(60)
+    assert sorted(started) == ["x1", "x2"]
+
+
 def read_all(sock: socket.socket, timeout: float = 10.0) -> bytes:
     """What the server sends until it closes the connection (or ``timeout`` passes)."""
     sock.settimeout(timeout)

@@ -4,7 +4,7 @@
 drive this one object; what differs between them (a real or a fake runner, a tokenizer or none)
 is what they pass in. One step:
 
-    skip   = structured.plan_step()                   # (once a step) grammar requests past their mask share
+    skip   = structured.plan_step(n)                  # (once a step) grammar requests past their mask share
     drafts = speculator.propose(scheduler)            # drafts (+ probabilities) for decoding requests
     drafts = structured.trim_drafts(drafts)           #   cut at the first token a grammar forbids
     scheduler.add_drafts(drafts)                      #   cut to draft_limit
@@ -177,7 +177,7 @@ class EngineCore:
             return []
         self._progress = False
         self._fault_outputs = []
-        self._skip = self.structured.plan_step()
+        self._skip = self.structured.plan_step(len(self.scheduler.requests))
         try:
             outputs = self._try(None)
         except EngineDeadError:

@@ -178,8 +178,11 @@ class OpenAIServer:
     async def handle(self, request: Request, chat: bool) -> Response:
         body = await request.body()
         client = request.client.host if request.client is not None else ""
-        req, params, prepared = await self.preparation.run(client, self._prepare, body, chat)
+        done, made = await _race_disconnect(self.preparation.run(client, self._prepare, body, chat), request.receive)
         del body
+        if not done:  # the client left while its request waited for (or was in) preparation
+            return Response(status_code=499)  # nobody reads it
+        req, params, prepared = made
         stream, rid = self.llm.add_made_request(prepared), prepared.request_id
         created = int(time.time())
         if req.stream:

@@ -57,7 +57,7 @@ from tokenbudget.scheduler.request_fault import RequestFault, short
 from tokenbudget.scheduler.stop import end_at
 
 DEFAULT_MAX_MASK_MS = 10.0
-DEFAULT_MAX_BATCH_MASK_MS = 10.0
+DEFAULT_MAX_BATCH_MASK_MS = 5.0
 # The first mask builds the lexer's caches (up to ~7 ms for an ordinary schema on a 49k vocabulary,
 # benches/RESULTS.md) and is paid once, off the step loop: it may take this many per-step budgets.
 FIRST_MASK_ALLOWANCE = 10
@@ -136,13 +136,15 @@ class StructuredOutputs:
         self.budget.forget(request.request_id)
 
     # ---- one step
-    def plan_step(self) -> frozenset[str]:
-        """At the start of a step: the structured requests that wait this step, their share of
-        the step's mask budget used up (``mask_budget``); usually none."""
+    def plan_step(self, num_requests: int) -> frozenset[str]:
+        """At the start of a step with ``num_requests`` requests in flight: the structured ones
+        that wait this step, their share of the step's mask budget used up (``mask_budget``);
+        usually none."""
         self._step_masks.clear()
         if not self.matchers:
             return frozenset()
-        return self.budget.defer({rid: matcher.cost for rid, matcher in self.matchers.items()})
+        return self.budget.defer({rid: matcher.cost for rid, matcher in self.matchers.items()},
+                                 alone=num_requests <= len(self.matchers))
 
     def trim_drafts(self, batch: DraftBatch) -> DraftBatch:
         """``batch`` with each structured request's drafts cut before their first illegal token."""

@@ -13,16 +13,18 @@ requests share it as deficit round robin shares a link:
   an ordinary JSON schema costs tens of microseconds a mask);
 * otherwise each gains an equal share of the budget as credit (capped at its estimate), and the
   step takes the requests whose credit covers their estimate, longest waiting first, while their
-  estimates fit; the others wait (they are left out of the step, and lose nothing). A request
-  pays for what its masks took. So a request whose masks cost k times the fair share runs about
-  one step in k (the most expensive wait longest), every request runs within a bounded number
-  of steps, and at least one runs every step;
+  estimates fit (one whose estimate alone is past the budget runs alone); the others wait (they
+  are left out of the step, and lose nothing). A request pays for what its masks took. So the
+  masks take the budget per step on average, a request whose masks cost k times the fair share
+  runs about one step in k (the most expensive wait longest), and every request runs within a
+  bounded number of steps. A step with only structured requests runs at least one of them (no
+  one else is waiting for it to be short);
 * the estimates can be wrong (a grammar whose masks grow): the manager stops computing masks
   once the step's budget is spent and raises ``MaskDeferral`` for the requests left; the core
   steps again without them, reusing the masks already made.
 
 So the masks of one step take at most the budget plus one request's mask (itself at most
-``max_grammar_mask_ms``), whatever the batch holds.
+``max_grammar_mask_ms``), and the budget on average, whatever the batch holds.
 """
 
 from __future__ import annotations
@@ -47,9 +49,9 @@ class MaskBudget:
         self.last_run: dict[str, int] = {}  # request id -> the step it last ran in
         self.steps = 0
 
-    def defer(self, estimates: dict[str, float]) -> frozenset[str]:
+    def defer(self, estimates: dict[str, float], alone: bool = False) -> frozenset[str]:
         """Of the structured requests in flight (id -> estimated CPU seconds of its next masks),
-        the ones that wait this step."""
+        the ones that wait this step; ``alone``: no other request is in flight (one runs)."""
         self.steps += 1
         if sum(estimates.values()) <= self.seconds:
             for rid in estimates:  # no debts or savings carried across steps that are not short
@@ -63,7 +65,7 @@ class MaskBudget:
         run, spent = [], 0.0
         for rid in order:
             ready = credit[rid] >= estimates[rid]
-            if not run or (ready and spent + estimates[rid] <= self.seconds):
+            if (ready and (not run or spent + estimates[rid] <= self.seconds)) or (alone and not run):
                 run.append(rid)
                 spent += estimates[rid]
                 self.last_run[rid] = self.steps
