@@ -20,7 +20,15 @@ from collections import Counter
 KEY_HEADERS = b"Host: bench\r\nContent-Type: application/json\r\n"
 
 
-def _connect(addr, sockets: list) -> socket.socket:
+class Sockets(list):
+    """The attack's sockets; once ``stopped`` (the harness cut them) it opens no more."""
+
+    stopped = False
+
+
+def _connect(addr, sockets: Sockets) -> socket.socket:
+    if sockets.stopped:
+        raise OSError("the attack was stopped")
     sock = socket.create_connection(addr)
     sockets.append(sock)
     return sock

@@ -199,7 +199,7 @@ class HealthPoller(threading.Thread):
 
 def attack_row(name: str, args) -> dict:
     """One attack against a fresh server (see the module docstring); its figures."""
-    from hostile_attacks import ATTACKS, slow_loris, tokenize
+    from hostile_attacks import ATTACKS, Sockets, slow_loris, tokenize
 
     kwargs, window, nofile = {}, args.window, None
     if name == "tokenize":
@@ -217,7 +217,7 @@ def attack_row(name: str, args) -> dict:
         with open(f"/proc/{pid}/clear_refs", "w") as f:
             f.write("5")  # VmHWM := VmRSS: the peak from here on
         rss_start = rss_mb(pid)[0]
-        health, sockets, outcome = HealthPoller(url), [], []
+        health, sockets, outcome = HealthPoller(url), Sockets(), []
         health.start()
         start = time.perf_counter()
         def attacking():  # the quick attacks again and again until the window ends
@@ -232,6 +232,7 @@ def attack_row(name: str, args) -> dict:
         end = time.perf_counter()
         health.stop.set()
         neighbour.stop.set()
+        sockets.stopped = True
         for sock in list(sockets):  # cut whatever the attacker still holds
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -240,7 +241,8 @@ def attack_row(name: str, args) -> dict:
         health.join(60)
         time.sleep(3)
         rss_end, peak = rss_mb(pid)
-        row = {"attack": name, "attacker": dict(outcome[0]) if outcome else "no answer within the window",
+        got = {str(k): v for k, v in outcome[0].items()} if outcome else "no answer within the window"
+        row = {"attack": name, "attacker": got,
                "tpot_alone_ms": neighbour.tpot(alone_end - args.alone + 0.5, alone_end) * 1e3,
                "tpot_during_ms": neighbour.tpot(start, end) * 1e3, "window_s": end - start,
                "health_max_ms": max(health.latencies, default=float("nan")) * 1e3,

@@ -252,16 +252,25 @@ def test_idle_and_slow_connections_get_408_and_are_closed(url, llm):
 
 
 def test_past_max_connections_the_slowest_is_closed_and_health_answers(llm):
-    """Sixty idle connections against a cap of 16 (and a header deadline far away): the oldest
-    idle ones are closed with a 408 to make room, and a probe always gets in."""
-    limits = ServerLimits(max_connections=16, timeout_headers=600)
+    """Sixty connections against a cap of 16 (deadlines far away): thirty whose body stops a
+    byte short (their request is in the app), then thirty idle. The oldest of those still
+    sending are closed with a 408 to make room, and a probe always gets in."""
+    limits = ServerLimits(max_connections=16, timeout_headers=600, timeout_body=600)
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+            + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n" + b" " * 99)
     with running_server(llm, limits=limits) as base:
-        idle = [socket.create_connection(address(base)) for _ in range(60)]
+        stalled = []
+        for i in range(60):
+            stalled.append(socket.create_connection(address(base)))
+            if i < 30:
+                stalled[-1].sendall(head)
+                time.sleep(0.01)  # its headers are in before the next one connects
         assert httpx.get(f"{base}/health", timeout=10).status_code == 200
-        replies = [read_all(sock, timeout=5) for sock in idle[:40]]
+        replies = [read_all(sock, timeout=5) for sock in stalled[:40]]
         assert all(reply.startswith(b"HTTP/1.1 408") for reply in replies)
-        for sock in idle:
+        for sock in stalled:
             sock.close()
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 200
 
 
 def test_a_client_leaving_mid_upload_costs_one_log_line(url):

@@ -49,6 +49,7 @@ from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
 from tokenbudget.engine.core.prompts import PromptInput
 from tokenbudget.engine.core.stats import EngineStats, check_admission, request_grammar_ms
 from tokenbudget.engine.entrypoints.llm_engine import LLMEngine
+from tokenbudget.engine.entrypoints.memory import release_free_memory
 from tokenbudget.engine.entrypoints.stream import RequestStream
 
 logger = logging.getLogger("tokenbudget")
@@ -250,10 +251,13 @@ class AsyncLLM:
                 self._dispatch([(rid, None, exc) for rid, exc in rejected]
                                + [(out.request_id, out, None) for out in outputs])
                 with self._inbox_lock:
-                    if (not self._pending_adds and not self._pending_aborts
-                            and not self.engine.has_unfinished_requests()):
+                    idle = (not self._pending_adds and not self._pending_aborts
+                            and not self.engine.has_unfinished_requests())
+                    if idle:
                         self._stepping = False
-                        return
+                if idle:
+                    release_free_memory()  # what the finished requests (grammars, ...) held
+                    return
         except BaseException as exc:  # a dead engine, or a bug in the loop itself: no stream may hang on it
             if not isinstance(exc, EngineDeadError):
                 logger.exception("tokenbudget: AsyncLLM step thread failed")

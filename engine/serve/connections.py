@@ -12,10 +12,10 @@ server runs uvicorn's h11 protocol (pure Python, bounded buffers) with:
   too: RFC 9110 allows a 408 there). ``timeout_keep_alive`` (uvicorn's) closes a kept-alive
   connection that sends nothing at all sooner;
 * ``max_connections``: at most this many open connections (and never more than the process's
-  descriptor limit less 64). Past it the connection that has waited longest for its headers is
-  closed with a 408, so a new client (a probe of ``/health``) always gets in while the slots are
-  held by connections that send nothing; if every connection has a request in flight, the new
-  one is closed at once.
+  descriptor limit less 64). Past it the connection that has been sending its request longest
+  (headers or body not complete) is closed with a 408, so a new client (a probe of ``/health``)
+  always gets in while the slots are held by connections that send nothing or trickle; if every
+  connection has a whole request in flight, the new one is closed at once.
 
 The body's deadline (``timeout_body``) and size are the app's (``body_limit``): they start once
 the headers are in.
@@ -52,16 +52,16 @@ class GuardedH11Protocol(H11Protocol):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.headers_since: float | None = None  # monotonic: since when it owes us headers
+        self.sending_since: float | None = None  # monotonic: since when it sends a request not yet whole
         self._headers_timer = None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._await_headers()
         if len(self.connections) > self.cap:
-            slowest = min((c for c in self.connections if getattr(c, "headers_since", None) is not None),
-                          key=lambda c: c.headers_since, default=None)
-            if slowest is None or slowest is self:  # every other one is busy with a request
+            slowest = min((c for c in self.connections if getattr(c, "sending_since", None) is not None),
+                          key=lambda c: c.sending_since, default=None)
+            if slowest is None or slowest is self:  # every other one has a whole request in flight
                 self._close()
             else:
                 slowest.too_slow()
@@ -69,8 +69,12 @@ class GuardedH11Protocol(H11Protocol):
     def handle_events(self) -> None:
         cycle = self.cycle
         super().handle_events()
-        if self.cycle is not cycle:  # a request's headers are in: its body and response are the app's
-            self._stop_waiting()
+        if self.cycle is not cycle and self._headers_timer is not None:  # the headers are in: the
+            self._headers_timer.cancel()  # body's deadline is the app's (body_limit)
+            self._headers_timer = None
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and not cycle.more_body:  # the whole request is in
+            self.sending_since = None
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # may start a pipelined request already received
@@ -83,20 +87,20 @@ class GuardedH11Protocol(H11Protocol):
 
     def _await_headers(self) -> None:
         self._stop_waiting()
-        self.headers_since = time.monotonic()
+        self.sending_since = time.monotonic()
         self._headers_timer = self.loop.call_later(self.limits.timeout_headers, self.too_slow)
 
     def _stop_waiting(self) -> None:
-        self.headers_since = None
+        self.sending_since = None
         if self._headers_timer is not None:
             self._headers_timer.cancel()
             self._headers_timer = None
 
     def too_slow(self) -> None:
-        """408 and close: the headers did not come in time (or the slot is needed). No request
-        is in flight on the connection, so nothing else is being written to it."""
+        """408 and close: the request did not come in time (or the slot is needed). No response
+        has started on the connection, so nothing else is being written to it."""
         self._stop_waiting()
-        if not self.transport.is_closing():
+        if not self.transport.is_closing() and (self.cycle is None or not self.cycle.response_started):
             self.transport.write(_TIMEOUT_RESPONSE)
         self._close()
 
