@@ -86,7 +86,7 @@ def tokenize(addr, sockets, prompt_bytes: int, clients: int = 20, each: int = 3)
 
 def chat_role(addr, sockets, clients: int = 10) -> Counter:
     """Chats whose ``role`` is 3.9 MB (a field the byte bound did not count)."""
-    body = json.dumps({"messages": [{"role": "r" * (39 << 17), "content": "hi"}], "max_tokens": 1}).encode()
+    body = json.dumps({"messages": [{"role": "r" * 3_900_000, "content": "hi"}], "max_tokens": 1}).encode()
     return in_threads(clients, lambda i: post(addr, sockets, "/v1/chat/completions", body))
 
 

@@ -146,6 +146,8 @@ def schema_cache_rss() -> str:
 
 # ------------------------------------------------------------------------------ issue 47: attacks
 NEIGHBOUR = {"prompt": "The capital of France is", "temperature": 0, "ignore_eos": True, "stream": True}
+CHEAP_STRUCTURED = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": {
+    "type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "string", "pattern": "^b+$"}}}}
 
 
 class Neighbour(threading.Thread):
@@ -210,6 +212,7 @@ def attack_row(name: str, args) -> dict:
     with server([], args.num_threads, args.server_python, args.max_model_len, nofile) as (url, pid):
         addr = ("127.0.0.1", int(url.rsplit(":", 1)[1]))
         greedy(url, 4)
+        httpx.post(f"{url}{CHAT}", json=CHEAP_STRUCTURED, timeout=600)  # the grammar backend: built once, not counted
         neighbour = Neighbour(url, args.max_model_len - 16)
         neighbour.start()
         time.sleep(args.alone)
@@ -305,9 +308,7 @@ def main() -> None:
                   f"RSS {before:.0f} -> {after:.0f} MB, peak {peak:.0f} MB")
     with server([], args.num_threads) as (url, pid):
         greedy(url, 4)
-        cheap = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": {
-            "type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "string", "pattern": "^b+$"}}}}
-        httpx.post(f"{url}{CHAT}", json=cheap, timeout=600)  # the grammar backend is built once, not timed
+        httpx.post(f"{url}{CHAT}", json=CHEAP_STRUCTURED, timeout=600)  # the grammar backend is built once, not timed
         alone, beside, outcomes = [], [], []
         for _ in range(args.repeats):
             t, text = greedy(url, args.max_tokens)

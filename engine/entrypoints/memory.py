@@ -4,8 +4,8 @@ glibc's malloc keeps what is freed (in one arena per thread that allocated) for 
 one large transient allocation — tokenizing a 300 KB prompt of digits builds ~90 MB of token
 records, a pathological grammar's lexer tens of MB — leaves the process's RSS up after it is
 freed. ``malloc_trim(0)`` returns the free pages of every arena (a few milliseconds). Called
-where large transient work ends: after a large request body is prepared, and when the engine's
-step thread goes idle. A no-op where the C library has no ``malloc_trim``.
+where large transient work ends: after a large request body is prepared or refused unfinished,
+and when the engine's step thread goes idle. A no-op where the C library has no ``malloc_trim``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+
+TRIM_AFTER_BYTES = 256 << 10  # a request body this large: its transient allocations are worth giving back
 
 
 @functools.cache

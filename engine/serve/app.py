@@ -34,7 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenbudget.api.errors import EngineDeadError, EngineOverloadedError, RequestError
-from tokenbudget.engine.entrypoints.memory import release_free_memory
+from tokenbudget.engine.entrypoints.memory import TRIM_AFTER_BYTES, release_free_memory
 from tokenbudget.engine.serve import protocol as proto
 from tokenbudget.engine.serve import responses as resp
 from tokenbudget.engine.serve.body_limit import LimitBody
@@ -47,7 +47,6 @@ try:
 except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
     _VERSION = "0+unknown"
 _OPEN_PATHS = ("/health", "/metrics", "/version")
-LARGE_BODY = 256 << 10  # after preparing a body this large, free memory goes back to the OS
 
 
 class _Json(JSONResponse):
@@ -132,7 +131,7 @@ class OpenAIServer:
         try:
             return self._prepare_body(body, chat)
         finally:
-            if len(body) >= LARGE_BODY:  # its transient allocations (tokenizing: ~300 bytes a token)
+            if len(body) >= TRIM_AFTER_BYTES:  # its transient allocations (tokenizing: ~300 bytes a token)
                 release_free_memory()
 
     def _prepare_body(self, body: bytes, chat: bool):

@@ -8,6 +8,7 @@
   its 4 MB for ever before).
 * A client that disconnects before its body is complete costs one log line (``tokenbudget``,
   INFO), not a traceback.
+* A large body dropped unfinished gives its memory back to the OS (``release_free_memory``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 
 import msgspec
 
+from tokenbudget.engine.entrypoints.memory import TRIM_AFTER_BYTES, release_free_memory
 from tokenbudget.engine.serve.limits import flag
 from tokenbudget.engine.serve.responses import error_body
 
@@ -76,6 +78,7 @@ class LimitBody:
 
         try:
             await self.app(scope, bounded_receive, watched_send)
+            return
         except _TooLarge:
             if not started:
                 await self._refuse(send, 413, f"the request body is larger than {flag('max_request_bytes')}="
@@ -87,6 +90,8 @@ class LimitBody:
         except _Gone:
             client = scope.get("client") or ("?", 0)
             logger.info("tokenbudget: %s:%s disconnected after %d bytes of its request body", *client[:2], seen)
+        if seen >= TRIM_AFTER_BYTES:  # what was read is dropped: give its pages back
+            release_free_memory()
 
     @staticmethod
     async def _refuse(send, status: int, message: str) -> None:
