@@ -21,6 +21,7 @@ LIMITS = ServerLimits(max_request_bytes=8 << 20)
 
 SHAPES = {  # size -> a body of about that many bytes
     "escaped-quotes-unterminated": lambda n: b'{"prompt": "' + b'\\"' * (n // 2),
+    "escaped-quotes-and-brackets-unterminated": lambda n: b'{"prompt": "' + b'\\"[' * (n // 3),
     "unterminated-string": lambda n: b'{"prompt": "' + b"a" * n,
     "backslash-runs": lambda n: b'{"prompt": "' + b"\\\\\\" * (n // 3),
     "quotes-and-brackets-in-a-string": lambda n: b'{"prompt": "' + b'\\"[{' * (n // 4) + b'"}',

@@ -75,8 +75,8 @@ def check_depth(body: bytes, limits: ServerLimits) -> None:
     deep must never reach one): ``response_format`` against ``max_schema_depth``, every other
     field against ``max_json_depth``."""
     floor = min(limits.max_json_depth, limits.max_schema_depth)
-    if max_depth(body) - 1 <= floor:
-        return
+    if body.count(b"[") + body.count(b"{") <= floor + 1 or max_depth(body) - 1 <= floor:
+        return  # (too few brackets to nest deeper, whatever the strings hold: the usual body)
 
     def limit_of(name: str | None) -> int:
         return limits.max_schema_depth if name == "response_format" else limits.max_json_depth
