@@ -7,12 +7,15 @@ loaded from this process.
 ``--attacks`` (issue 47; ``benches/hostile_attacks.py`` has them): for each attack a fresh server,
 then a neighbour's greedy stream alone for a few seconds (its TPOT: the mean gap between its
 tokens), then the attack for ``--window`` seconds (slow-loris: the time it holds its
-connections) while the neighbour streams on and ``/health`` is polled from this process: the
-neighbour's TPOT during the attack, the longest ``/health`` answer (and how many failed), what
-the attacker got, the server's RSS before, at its peak (``VmHWM``) and 3 s after the attack's
-connections are cut. A gap that the attack's end cut short counts as it was (a lower bound), so
-a frozen server shows as one long gap. ``--server-python`` runs the server from another
-checkout (the "before" column: main). Timings are noisy on a shared machine: compare ratios.
+connections) while the neighbour streams on and ``/health`` is polled from this process, then
+the neighbour alone again: the neighbour's TPOT during the attack against alone (the mean of the
+windows before and after: the machine's other load drifts), the longest ``/health`` answer (and
+how many failed), what the attacker got, the server's RSS before, at its peak (``VmHWM``) and
+3 s after the attack is cut and the neighbour stopped. A gap that the attack's end cut short
+counts as it was (a lower bound), so a frozen server shows as one long gap. ``none`` (first in
+``all``) is the control: the same windows, no attack. ``--server-python`` runs the server from
+another checkout (the "before" column: main). Timings are noisy on a shared machine: compare
+ratios.
 
 Without ``--attacks`` (issue 22):
 1. ``/health`` latency (polled every 20 ms from this process, so it includes this process's own
@@ -39,6 +42,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 
 import httpx
 
@@ -171,14 +175,17 @@ class Neighbour(threading.Thread):
                             break
 
     def tpot(self, start: float, end: float) -> float:
-        """Mean gap between consecutive tokens of a stream that ends inside [start, end]; the gap
-        still open at ``end`` counts as it was."""
+        """Mean gap between consecutive tokens, over the gaps that end inside [start, end]; the
+        gap open at ``end`` counts up to ``end`` (a lower bound: a frozen server is one long gap)."""
         gaps = []
         for times in self.streams:
-            gaps += [b - a for a, b in zip(times, times[1:]) if start <= b <= end]
-            inside = [t for t in times if t <= end]
-            if inside and inside[-1] >= start and times is self.streams[-1]:
-                gaps.append(end - inside[-1])
+            for a, b in zip(times, times[1:]):
+                if start <= b <= end:
+                    gaps.append(b - a)
+                elif start <= a <= end < b:
+                    gaps.append(end - a)
+            if times and start <= times[-1] <= end and times is self.streams[-1]:
+                gaps.append(end - times[-1])  # still waiting for its next token at ``end``
         return statistics.mean(gaps) if gaps else float("nan")
 
 
@@ -200,15 +207,17 @@ class HealthPoller(threading.Thread):
 
 
 def attack_row(name: str, args) -> dict:
-    """One attack against a fresh server (see the module docstring); its figures."""
-    from hostile_attacks import ATTACKS, Sockets, slow_loris, tokenize
+    """One attack against a fresh server (see the module docstring); its figures. The neighbour's
+    TPOT alone is measured before the attack and again after it (the mean of the two: the
+    machine's other load drifts); ``none`` is the control, a window without an attack."""
+    from hostile_attacks import ATTACKS, Sockets
 
     kwargs, window, nofile = {}, args.window, None
     if name == "tokenize":
         kwargs = {"prompt_bytes": args.max_model_len * 81 - 200}  # the default model: <= 81 bytes a token
     if name == "slow-loris":
         kwargs, window, nofile = {"hold": args.hold}, args.hold + 5, 256
-    attack = {"tokenize": tokenize, "slow-loris": slow_loris}.get(name, ATTACKS[name])
+    attack = ATTACKS.get(name, lambda addr, sockets: time.sleep(window - 1) or Counter())
     with server([], args.num_threads, args.server_python, args.max_model_len, nofile) as (url, pid):
         addr = ("127.0.0.1", int(url.rsplit(":", 1)[1]))
         greedy(url, 4)
@@ -216,16 +225,17 @@ def attack_row(name: str, args) -> dict:
         neighbour = Neighbour(url, args.max_model_len - 16)
         neighbour.start()
         time.sleep(args.alone)
-        alone_end = time.perf_counter()
+        before = (time.perf_counter() - args.alone + 0.5, time.perf_counter())
         with open(f"/proc/{pid}/clear_refs", "w") as f:
             f.write("5")  # VmHWM := VmRSS: the peak from here on
         rss_start = rss_mb(pid)[0]
         health, sockets, outcome = HealthPoller(url), Sockets(), []
         health.start()
         start = time.perf_counter()
+
         def attacking():  # the quick attacks again and again until the window ends
             got = attack(addr, sockets, **kwargs)
-            while name not in ("grammar", "slow-loris") and time.perf_counter() - start < window - 1:
+            while name not in ("grammar", "slow-loris", "none") and time.perf_counter() - start < window - 1:
                 got += attack(addr, sockets, **kwargs)
             outcome.append(got)
 
@@ -234,7 +244,6 @@ def attack_row(name: str, args) -> dict:
         attacker.join(window)
         end = time.perf_counter()
         health.stop.set()
-        neighbour.stop.set()
         sockets.stopped = True
         for sock in list(sockets):  # cut whatever the attacker still holds
             with contextlib.suppress(OSError):
@@ -242,11 +251,15 @@ def attack_row(name: str, args) -> dict:
             sock.close()
         attacker.join(30)
         health.join(60)
+        time.sleep(1 + args.alone)
+        after = (time.perf_counter() - args.alone, time.perf_counter())
+        neighbour.stop.set()
         time.sleep(3)
         rss_end, peak = rss_mb(pid)
         got = {str(k): v for k, v in outcome[0].items()} if outcome else "no answer within the window"
-        row = {"attack": name, "attacker": got,
-               "tpot_alone_ms": neighbour.tpot(alone_end - args.alone + 0.5, alone_end) * 1e3,
+        alone = (neighbour.tpot(*before) + neighbour.tpot(*after)) / 2
+        row = {"attack": name, "attacker": got, "tpot_alone_ms": alone * 1e3,
+               "tpot_before_ms": neighbour.tpot(*before) * 1e3, "tpot_after_ms": neighbour.tpot(*after) * 1e3,
                "tpot_during_ms": neighbour.tpot(start, end) * 1e3, "window_s": end - start,
                "health_max_ms": max(health.latencies, default=float("nan")) * 1e3,
                "health_failures": health.failures, "health_polls": len(health.latencies),
@@ -256,11 +269,12 @@ def attack_row(name: str, args) -> dict:
 
 
 def print_rows(rows: list[dict]) -> None:
-    print("| attack | attacker got | neighbour TPOT alone -> during (ratio) | /health max (failed/polls) "
-          "| RSS start / peak / end MB |")
+    print("| attack | attacker got | neighbour TPOT alone (before, after) -> during (ratio) "
+          "| /health max (failed/polls) | RSS start / peak / end MB |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['attack']} | {r['attacker']} | {r['tpot_alone_ms']:.1f} -> {r['tpot_during_ms']:.1f} ms "
+        print(f"| {r['attack']} | {r['attacker']} | {r['tpot_alone_ms']:.1f} ({r['tpot_before_ms']:.0f}, "
+              f"{r['tpot_after_ms']:.0f}) -> {r['tpot_during_ms']:.1f} ms "
               f"(x{r['tpot_ratio']:.2f}) | {r['health_max_ms']:.0f} ms ({r['health_failures']}/{r['health_polls']}) "
               f"| {r['rss_start_mb']:.0f} / {r['rss_peak_mb']:.0f} / {r['rss_end_mb']:.0f} |", flush=True)
 
@@ -282,7 +296,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.attacks:
         from hostile_attacks import ATTACKS
-        names = list(ATTACKS) if args.attacks == "all" else args.attacks.split(",")
+        names = ["none", *ATTACKS] if args.attacks == "all" else args.attacks.split(",")
         rows = []
         for name in names:
             rows.append(attack_row(name, args))

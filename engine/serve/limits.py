@@ -123,7 +123,7 @@ class ByteBound(NamedTuple):
     dropped: bytes  # byte values the tokenizer has no symbol for: it drops them, so they count for nothing
 
     def min_tokens(self, data: bytes) -> int:
-        counted = len(data) - sum(data.count(bytes((b,))) for b in self.dropped)
+        counted = len(data.translate(None, self.dropped)) if self.dropped else len(data)  # one pass
         return -(-counted // self.bytes_per_token)
 
 
