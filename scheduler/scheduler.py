@@ -116,8 +116,10 @@ class Scheduler:
         """Set next step's drafts (and their probabilities), each cut to ``draft_limit`` (journaled)."""
         set_drafts(self.requests.get, batch, self.config.max_model_len, self._journal)
 
-    def schedule(self, only: Collection[str] | None = None) -> SchedulerOutput:
-        """This step's batch. ``only``: schedule just these request ids (fault isolation)."""
+    def schedule(self, only: Collection[str] | None = None, skip: Collection[str] = ()) -> SchedulerOutput:
+        """This step's batch. ``only``: schedule just these request ids (fault isolation);
+        ``skip``: leave these out of this step (structured requests waiting for their share of
+        the grammar-mask budget), running or waiting."""
         journal = self._journal
         assert journal is not None, "schedule() outside begin_step()"
         cfg = self.config
@@ -137,7 +139,7 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            if only is not None and request.request_id not in only:
+            if (only is not None and request.request_id not in only) or request.request_id in skip:
                 i += 1
                 continue
             computed = request.num_computed_tokens
@@ -168,7 +170,7 @@ class Scheduler:
             budget -= n
             i += 1
         if not preempted:
-            budget = self._admit_waiting(budget, scheduled, only)
+            budget = self._admit_waiting(budget, scheduled, only, skip)
         out.total_num_scheduled_tokens = cfg.max_num_batched_tokens - budget
         return out
 
@@ -180,9 +182,11 @@ class Scheduler:
                 requests[sr.request_id].num_computed_tokens = sr.num_computed_tokens
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest],
-                       only: Collection[str] | None) -> int:
+                       only: Collection[str] | None, skip: Collection[str]) -> int:
         cfg, kv, waiting, running = self.config, self.kv, self.waiting, self.running
-        candidates = heads(waiting) if only is None else [r for r in waiting if r.request_id in only]
+        in_order = only is None and not skip  # else some are passed over: taken out of the queue by id
+        candidates = heads(waiting) if in_order else [
+            r for r in waiting if (only is None or r.request_id in only) and r.request_id not in skip]
         for request in candidates:
             if budget <= 0 or len(running) >= cfg.max_num_seqs:
                 break
@@ -201,7 +205,7 @@ class Scheduler:
                 break
             if kv.looks_up(request):
                 kv.record_prefix_lookup(request.num_tokens, num_hit)
-            position = waiting.remove(request) if only is not None else pop_head(waiting)
+            position = pop_head(waiting) if in_order else waiting.remove(request)
             self._journal.record(self._undo_admit, request, position, request.status, request.num_cached_tokens)
             request.status = RUNNING
             request.num_cached_tokens = num_hit

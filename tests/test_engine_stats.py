@@ -48,6 +48,22 @@ def test_llm_engine_admission_control():
     engine.add_request("c", "Hello", PARAMS)  # room again
 
 
+def test_admission_counts_the_children_of_n():
+    """An n=4 request queues four requests (and four prompts' tokens): once counted as one."""
+    engine = LLMEngine(model=default_target(), **ENGINE_OPTS, max_queued_requests=4)
+    engine.add_request("one", "Hello", PARAMS)
+    with pytest.raises(EngineOverloadedError, match="adds 4"):
+        engine.add_request("four", "Hello", SamplingParams(n=4, temperature=1.0, max_tokens=6))
+    engine.add_request("three", "Hello", SamplingParams(n=3, temperature=1.0, max_tokens=6))  # 1 + 3 fits
+    assert engine.get_stats().num_waiting == 4
+    tokens = LLMEngine(model=default_target(), **ENGINE_OPTS, max_queued_tokens=10)
+    tokens.add_request("one", "Hello", PARAMS)
+    with pytest.raises(EngineOverloadedError, match="max_queued_tokens"):  # 1 + 4 x 3 tokens > 10
+        tokens.add_request("four", "Hello there you", SamplingParams(n=4, temperature=1.0, max_tokens=6))
+    lone = LLMEngine(model=default_target(), **ENGINE_OPTS, max_queued_requests=2)
+    lone.add_request("alone", "Hello", SamplingParams(n=8, temperature=1.0, max_tokens=6))  # waits alone: admitted
+
+
 def test_max_queued_tokens_refuses_but_never_a_lone_request():
     engine = LLMEngine(model=default_target(), **ENGINE_OPTS, max_queued_tokens=3)
     engine.add_request("long", "one two three four five six seven", PARAMS)  # alone: admitted

@@ -63,6 +63,10 @@ CASES = [
     ("response-format-100k-deep", CHAT, raw_json('{"messages": [{"role": "user", "content": "hi"}], '
                                                 '"response_format": ' + '{"a": ' * 100_000 + "1" + "}" * 100_000
                                                 + "}"), 400, "response_format"),
+    ("content-part-44-deep-is-served", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "hi", "x": nested(40, 1)}]}]), 200, None),  # > 32: refused once
+    ("content-part-65-deep", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "hi", "x": nested(61, 1)}]}]), 400, "messages"),
     ("schema-1000-objects-deep", CHAT, deep_schema(1000, "object"), 400, "response_format"),
     ("schema-3000-arrays-deep", CHAT, deep_schema(3000, "array"), 400, "response_format"),
     ("schema-12-objects-deep-is-served", CHAT, deep_schema(12, "object"), 200, None),
@@ -90,6 +94,9 @@ CASES = [
     ("n-1000", COMPLETIONS, {"prompt": "hi", "n": 1000}, 400, "n"),
     ("stop-1000-strings", COMPLETIONS, {"prompt": "hi", "stop": [f"s{i}" for i in range(1000)]}, 400, "stop"),
     ("stop-string-100KB", COMPLETIONS, {"prompt": "hi", "stop": "s" * 100_000}, 400, "stop"),
+    ("stop-token-ids-950k", COMPLETIONS, {"prompt": "hi", "stop_token_ids": [7] * 950_000}, 400, "stop_token_ids"),
+    ("stop-token-ids-257", COMPLETIONS, {"prompt": "hi", "stop_token_ids": [7] * 257}, 400, "stop_token_ids"),
+    ("chat-role-3MB", CHAT, {"messages": [{"role": "r" * (3 << 20), "content": "hi"}]}, 400, "messages"),
     ("logit-bias-5000-entries", COMPLETIONS, {"prompt": "hi", "logit_bias": {str(i % 259): 1.0 for i in range(5000)}
                                               | {f"0{i}": 1.0 for i in range(5000)}}, 400, "logit_bias"),
     ("not-json", COMPLETIONS, b"{\"prompt\": ", 400, None),

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from tokenbudget import StructuredOutputsParams
 from tokenbudget.api import grammar_source
-from tokenbudget.engine.serve.limits import json_depth, prompt_byte_bound
+from tokenbudget.engine.serve.json_depth import max_depth
+from tokenbudget.engine.serve.limits import prompt_byte_bound
 
 from model_helpers import smollm2_gguf_tokenizer  # noqa: E402
 
@@ -32,8 +33,8 @@ def depth(value) -> int:
 
 @given(JSON)
 def test_json_depth_counts_structure_never_brackets_inside_strings(value):
-    assert json_depth(msgspec.json.encode(value)) == depth(value)
-    assert json_depth(json.dumps(value, indent=1).encode()) == depth(value)
+    assert max_depth(msgspec.json.encode(value)) == depth(value)
+    assert max_depth(json.dumps(value, indent=1).encode()) == depth(value)
 
 
 @functools.cache

@@ -4,10 +4,11 @@
 drive this one object; what differs between them (a real or a fake runner, a tokenizer or none)
 is what they pass in. One step:
 
+    skip   = structured.plan_step(n)                  # (once a step) grammar requests past their mask share
     drafts = speculator.propose(scheduler)            # drafts (+ probabilities) for decoding requests
     drafts = structured.trim_drafts(drafts)           #   cut at the first token a grammar forbids
     scheduler.add_drafts(drafts)                      #   cut to draft_limit
-    sched  = scheduler.schedule()                     # token budget; counters advance optimistically
+    sched  = scheduler.schedule(skip=skip)            # token budget; counters advance optimistically
     sched.grammar_bitmask = structured.grammar_bitmask(sched)  # masks of the sampling rows
     result = runner.execute(sched)                    # one forward + masks applied + sampling/verification
     plan   = scheduler.plan_update(sched, result)     # what the step commits; changes nothing
@@ -15,6 +16,11 @@ is what they pass in. One step:
     outs   = outputs.prepare(plan)                    # text, stop strings (may end requests)
     --- commit: the tables' step closed, scheduler.apply_update, structured.commit,
         speculator.commit, the release of finished requests
+
+**The grammar-mask budget** (``engine.structured.mask_budget``): the structured requests whose
+share of the step's mask CPU is used up sit the step out (``skip``); a ``MaskDeferral`` (the
+budget ran out while masks were made) rolls the attempt back like a request fault and runs it
+again with those requests left out too. Neither ends nor blames anyone.
 
 Everything before the commit either changes nothing or journals its changes, so when anything
 there raises (model, sampler, proposer, a kernel, the detokenizer) the step is rolled back:
@@ -86,6 +92,7 @@ class EngineCore(StepRecovery):
         self._participants: set[str] = set()
         self._step_clock = 0.0  # perf_counter() when the current attempt began
         self._fault_outputs: list[RequestOutput] = []  # this step's requests ended by a RequestFault
+        self._skip: frozenset[str] = frozenset()  # this step's structured requests waiting for mask budget
 
     # ------------------------------------------------------------------ requests (between steps)
     def add_request(self, request: Request, prompt: str | None = None, arrival_time: float | None = None) -> None:
@@ -162,6 +169,7 @@ class EngineCore(StepRecovery):
             return []
         self._progress = False
         self._fault_outputs = []
+        self._skip = self.structured.plan_step(len(self.scheduler.requests))
         try:
             outputs = self._try(None)
         except EngineDeadError:
@@ -190,7 +198,7 @@ class EngineCore(StepRecovery):
             with deferred_sigint():
                 if drafts is not None:
                     scheduler.add_drafts(structured.trim_drafts(drafts))
-                sched = scheduler.schedule(only)
+                sched = scheduler.schedule(only, self._skip)
             participants.update(sr.request_id for sr in sched.scheduled)
             sched.grammar_bitmask = structured.grammar_bitmask(sched)
             dirty = True
@@ -244,4 +252,5 @@ class EngineCore(StepRecovery):
     def _release(self, request: Request) -> None:
         for table in self.tables:
             table.drop(request.request_id)
+        self.structured.forget(request.request_id)
         self.speculator.on_finished(request)

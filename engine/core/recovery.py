@@ -29,6 +29,7 @@ from collections.abc import Collection
 
 from tokenbudget.api.errors import EngineDeadError
 from tokenbudget.api.outputs import RequestOutput
+from tokenbudget.engine.structured.mask_budget import MaskDeferral
 from tokenbudget.scheduler.request import RequestStatus
 from tokenbudget.scheduler.request_fault import RequestFault, short
 
@@ -39,14 +40,17 @@ class StepRecovery:
     """The fault side of ``EngineCore`` (see the module docstring)."""
 
     def _try(self, only: Collection[str] | None) -> list[RequestOutput]:
-        """One attempt (again without the requests a ``RequestFault`` ended, which count as no
-        failure); counts engine faults and notes progress (an attempt that ran something)."""
+        """One attempt (again without the requests a ``RequestFault`` ended or a ``MaskDeferral``
+        left out, which count as no failure); counts engine faults and notes progress (an attempt
+        that ran something)."""
         while True:
             try:
                 outputs = self._attempt(only)
                 break
             except RequestFault as fault:
                 self._end_faulted(fault)
+            except MaskDeferral as deferral:
+                self._skip = self._skip | deferral.request_ids
             except EngineDeadError:
                 raise
             except Exception as fault:

@@ -9,6 +9,10 @@ waiting queue, preempted ones included, plus what ``AsyncLLM`` has accepted but 
 to the engine). Past ``max_queued_requests`` / ``max_queued_tokens`` (prompt tokens), a new
 request is refused with ``EngineOverloadedError`` instead of letting the queue grow without
 bound. A request that would wait alone is always admitted, so no prompt is refused forever.
+Structured requests are bounded by the CPU their grammar masks need: past
+``max_grammar_mask_ms_in_flight`` (the estimates of every structured request in flight, all
+running or waiting), a new one is refused; the step shares its own mask budget between those in
+flight (``engine.structured.mask_budget``), so this bounds how long each waits for its turns.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     spec_drafted_per_pos: list[int] = []
     spec_accepted_per_pos: list[int] = []
     generation_tokens_per_s: float = 0.0  # over the last ~10 s
+    grammar_mask_ms: float = 0.0  # estimated CPU ms of one step's masks of the structured requests in flight
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -102,16 +107,37 @@ def collect_stats(core) -> EngineStats:
         spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
         spec_drafted_per_pos=list(spec.drafted_per_pos) if spec else [],
         spec_accepted_per_pos=list(spec.accepted_per_pos) if spec else [],
-        generation_tokens_per_s=core.throughput.rate())
+        generation_tokens_per_s=core.throughput.rate(),
+        grammar_mask_ms=sum(m.cost for m in core.structured.matchers.values()) * 1e3)
 
 
-def check_admission(config, num_queued: int, num_queued_tokens: int, num_prompt_tokens: int) -> None:
-    """Raise ``EngineOverloadedError`` when one more request of ``num_prompt_tokens`` would take
-    the queue past ``config.max_queued_requests`` / ``max_queued_tokens``."""
+def check_admission(config, num_queued: int, num_queued_tokens: int, num_prompt_tokens: int,
+                    num_requests: int = 1, grammar_in_flight_ms: float = 0.0, grammar_ms: float = 0.0) -> None:
+    """Raise ``EngineOverloadedError`` when ``num_requests`` more requests of ``num_prompt_tokens``
+    each (the children of an ``n > 1`` request: each waits and runs as one) would take the queue
+    past ``config.max_queued_requests`` / ``max_queued_tokens``, or when their grammar masks
+    (``grammar_ms``, estimated CPU ms a step, all children) would take those of the structured
+    requests in flight past ``max_grammar_mask_ms_in_flight``. A request that would wait alone
+    (or be the only structured one) is always admitted."""
     max_requests, max_tokens = config.max_queued_requests, config.max_queued_tokens
-    if max_requests is not None and num_queued + 1 > max_requests:
-        raise EngineOverloadedError(f"the engine is overloaded: {num_queued} requests are queued "
-                                    f"(max_queued_requests={max_requests}); retry later")
-    if max_tokens is not None and num_queued and num_queued_tokens + num_prompt_tokens > max_tokens:
+    if max_requests is not None and num_queued and num_queued + num_requests > max_requests:
+        raise EngineOverloadedError(f"the engine is overloaded: {num_queued} requests are queued and this one "
+                                    f"adds {num_requests} (max_queued_requests={max_requests}); retry later")
+    tokens = num_prompt_tokens * num_requests
+    if max_tokens is not None and num_queued and num_queued_tokens + tokens > max_tokens:
         raise EngineOverloadedError(f"the engine is overloaded: {num_queued_tokens} prompt tokens are queued and this "
-                                    f"request has {num_prompt_tokens} (max_queued_tokens={max_tokens}); retry later")
+                                    f"request adds {tokens} (max_queued_tokens={max_tokens}); retry later")
+    max_grammar = config.max_grammar_mask_ms_in_flight
+    if (max_grammar is not None and grammar_ms and grammar_in_flight_ms
+            and grammar_in_flight_ms + grammar_ms > max_grammar):
+        raise EngineOverloadedError(f"the engine is overloaded with grammar work: the structured requests in flight "
+                                    f"need ~{grammar_in_flight_ms:.0f} ms of masks a step and this one "
+                                    f"~{grammar_ms:.0f} ms (max_grammar_mask_ms_in_flight={max_grammar:g}); "
+                                    f"retry later")
+
+
+def request_grammar_ms(request) -> float:
+    """The estimated CPU ms of one step's masks of ``request`` (all its children), from the
+    grammar compiled for it (0 without one)."""
+    matcher = request.grammar
+    return matcher.cost * 1e3 * request.sampling_params.n if matcher is not None else 0.0

@@ -91,7 +91,8 @@ def wire_engine(config: EngineConfig, target: TargetModel, spec_config: Speculat
     if config.deterministic:
         from tokenbudget.engine.worker.deterministic import apply_deterministic_mode
         apply_deterministic_mode(model, device)
-    structured = StructuredOutputs(target.tokenizer, mcfg.vocab_size, config.max_grammar_mask_ms)
+    structured = StructuredOutputs(target.tokenizer, mcfg.vocab_size, config.max_grammar_mask_ms,
+                                   config.max_batch_grammar_mask_ms)
     runner = ModelRunner(model, mcfg, kv_caches, config.block_size, Sampler(), device,
                          deterministic=config.deterministic)
     if spec_config is not None:  # decodes and verifies of a request on one attention tile

@@ -46,8 +46,9 @@ from tokenbudget.api.errors import EngineDeadError
 from tokenbudget.api.outputs import RequestOutput
 from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
 from tokenbudget.engine.core.prompts import PromptInput
-from tokenbudget.engine.core.stats import EngineStats, check_admission
+from tokenbudget.engine.core.stats import EngineStats, check_admission, request_grammar_ms
 from tokenbudget.engine.entrypoints.llm_engine import LLMEngine
+from tokenbudget.engine.entrypoints.memory import release_free_memory
 from tokenbudget.engine.entrypoints.stream import PreparedRequest, RequestStream
 from tokenbudget.request_table import RequestTable
 
@@ -65,7 +66,7 @@ class AsyncLLM:
         self._engine_lock = threading.Lock()  # held by whoever reads or steps the engine
         self._ids = itertools.count()
         self._stats: EngineStats = self.engine.get_stats()  # the snapshot after the latest step
-        self._transit = [0, 0]  # requests, prompt tokens accepted but not yet in a snapshot
+        self._transit = [0, 0, 0.0]  # requests, prompt tokens, grammar ms accepted but not yet in a snapshot
 
     @property
     def tokenizer(self):
@@ -103,17 +104,21 @@ class AsyncLLM:
         if rid in self._streams:
             raise ValueError(f"duplicate request_id {rid!r}: a request with this id is still running")
         loop = asyncio.get_running_loop()
+        n = request.sampling_params.n  # each child waits and runs as one request
+        masks_ms = request_grammar_ms(request)
         if self.engine.config.admission_control:
             stats = self.get_stats()
             with self._inbox_lock:
-                n_transit, tokens_transit = self._transit
+                n_transit, tokens_transit, masks_transit = self._transit
             check_admission(self.engine.config, stats.num_waiting + n_transit,
-                            stats.num_waiting_tokens + tokens_transit, request.num_prompt_tokens)
-        stream = RequestStream(rid, prepared.kind, self.abort, request.sampling_params.n, loop=loop)
+                            stats.num_waiting_tokens + tokens_transit, request.num_prompt_tokens, n,
+                            stats.grammar_mask_ms + masks_transit, masks_ms)
+        stream = RequestStream(rid, prepared.kind, self.abort, n, loop=loop)
         self._streams.set(rid, stream)
         with self._inbox_lock:
-            self._transit[0] += 1
-            self._transit[1] += request.num_prompt_tokens
+            self._transit[0] += n
+            self._transit[1] += request.num_prompt_tokens * n
+            self._transit[2] += masks_ms
             self._pending_adds.append((request, prepared.text, prepared.arrival))
         self._ensure_loop()
         return stream
@@ -229,20 +234,25 @@ class AsyncLLM:
         try:
             while True:
                 adds, aborts = self._take_inbox()
+                masks_ms = sum(request_grammar_ms(r) for r, _, _ in adds)  # before the engine takes the grammars
                 try:
                     with self._engine_lock:
                         outputs, rejected = self._step(adds, aborts)
                 finally:  # the snapshot counts them now (or they are gone)
                     with self._inbox_lock:
-                        self._transit[0] -= len(adds)
-                        self._transit[1] -= sum(r.num_prompt_tokens for r, _, _ in adds)
+                        self._transit[0] -= sum(r.sampling_params.n for r, _, _ in adds)
+                        self._transit[1] -= sum(r.num_prompt_tokens * r.sampling_params.n for r, _, _ in adds)
+                        self._transit[2] = max(self._transit[2] - masks_ms, 0.0)
                 self._dispatch([(rid, None, exc) for rid, exc in rejected]
                                + [(out.request_id, out, None) for out in outputs])
                 with self._inbox_lock:
-                    if (not self._pending_adds and not self._pending_aborts
-                            and not self.engine.has_unfinished_requests()):
+                    idle = (not self._pending_adds and not self._pending_aborts
+                            and not self.engine.has_unfinished_requests())
+                    if idle:
                         self._stepping = False
-                        return
+                if idle:
+                    release_free_memory()  # what the finished requests (grammars, ...) held
+                    return
         except BaseException as exc:  # a dead engine, or a bug in the loop itself: no stream may hang on it
             if not isinstance(exc, EngineDeadError):
                 logger.exception("tokenbudget: AsyncLLM step thread failed")

@@ -19,7 +19,7 @@ from tokenbudget.api.config import EngineConfig
 from tokenbudget.api.outputs import RequestOutput
 from tokenbudget.api.sampling_params import SamplingParams
 from tokenbudget.engine.core.prompts import PromptInput, make_request
-from tokenbudget.engine.core.stats import EngineStats, check_admission
+from tokenbudget.engine.core.stats import EngineStats, check_admission, request_grammar_ms
 from tokenbudget.engine.core.wiring import load_and_wire
 from tokenbudget.engine.loader.target import TargetModel
 from tokenbudget.engine.worker.keyed_random import mix64
@@ -89,7 +89,8 @@ class LLMEngine:
         text, request = self.make_request(request_id, prompt, sampling_params, priority)
         if self.config.admission_control:
             stats = self.core.get_stats()
-            check_admission(self.config, stats.num_waiting, stats.num_waiting_tokens, request.num_prompt_tokens)
+            check_admission(self.config, stats.num_waiting, stats.num_waiting_tokens, request.num_prompt_tokens,
+                            request.sampling_params.n, stats.grammar_mask_ms, request_grammar_ms(request))
         self.add_made_request(request, text)
 
     def add_made_request(self, request, prompt_text: str | None = None, arrival_time: float | None = None) -> None:

@@ -4,17 +4,19 @@
     GET /v1/models, GET /health (503 once the engine is dead), GET /metrics (Prometheus),
     GET /version (what routers probe; ``readiness`` adds 503s while loading and draining)
 
-Every check runs before a response starts: a body over ``--max-request-bytes`` is a 413 before
-it is read (``body_limit``); the body decodes strictly under the server's limits (``protocol``,
-``limits``); then decoding, chat templating, tokenizing and grammar compilation run in a small
-thread pool of their own (``AsyncLLM.make_request``), never on the event loop, so ``/health`` and
-every stream keep going while a large request is examined; the request is queued on the loop.
-A bad field is a 400 naming it, a limit a 400/413 naming the flag, a full queue a 429 with
-``Retry-After``, a dead engine a 503, all as OpenAI error objects (never over a few hundred
-characters of message) and before any byte of a stream. A client that goes away (streaming or
-not) aborts its request at once: every response races the request's generation against the
-connection's ``http.disconnect``. A request that ends aborted or in error is reported as an
-error, never as a finished answer.
+Every check runs before a response starts: connections and headers are bounded in front of the
+app (``connections``); a body over ``--max-request-bytes`` is a 413 before it is read, one that
+is too slow a 408 (``body_limit``); then decoding under the server's limits (``protocol``,
+``limits``), chat templating, tokenizing and grammar compilation run in the preparation queue
+(``preparation``: its own few threads, bounded, fair between clients), never on the event loop,
+so ``/health`` and every stream keep going while a large request is examined; the request is
+queued on the loop. A bad field is a 400 naming it, a limit a 400/413 naming the flag, a full
+queue a 429 with ``Retry-After``, a dead engine a 503, all as OpenAI error objects (never over a
+few hundred characters of message) and before any byte of a stream. A client that goes away
+(streaming or not) aborts its request at once: every response races the request's generation
+against the connection's ``http.disconnect``. A request that ends aborted or in error is
+reported as an error, never as a finished answer: a 400 when what it asked for was at fault (its
+grammar), a 500 otherwise (``responses.request_error_status``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import hmac
 import importlib.metadata
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 import msgspec
@@ -33,11 +34,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenbudget.api.errors import EngineDeadError, EngineOverloadedError, RequestError
+from tokenbudget.engine.entrypoints.memory import TRIM_AFTER_BYTES, release_free_memory
 from tokenbudget.engine.serve import protocol as proto
 from tokenbudget.engine.serve import responses as resp
 from tokenbudget.engine.serve.body_limit import LimitBody
 from tokenbudget.engine.serve.limits import LimitError, ServerLimits, flag, prompt_byte_bound
 from tokenbudget.engine.serve.metrics import CONTENT_TYPE, ServerMetrics
+from tokenbudget.engine.serve.preparation import PreparationQueue
 
 try:
     _VERSION = importlib.metadata.version("tokenbudget")
@@ -118,12 +121,20 @@ class OpenAIServer:
         self.max_model_len = llm.engine.max_model_len
         self.max_prompt_tokens = min(self.limits.max_prompt_tokens or self.max_model_len, self.max_model_len)
         self.byte_bound = prompt_byte_bound(llm.tokenizer) if llm.tokenizer is not None else None
-        # Request preparation's own threads: a slow one never holds up the engine's step thread.
-        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenbudget-prepare")
+        # Request preparation's own threads, bounded and fair between clients (``preparation``).
+        self.preparation = PreparationQueue(2, self.limits.max_preparing_requests,
+                                            self.limits.max_preparing_per_client)
 
     # ---------------------------------------------------------------- requests
     def _prepare(self, body: bytes, chat: bool):
         """In a preparation thread: decode, check the limits, template, tokenize, compile."""
+        try:
+            return self._prepare_body(body, chat)
+        finally:
+            if len(body) >= TRIM_AFTER_BYTES:  # its transient allocations (tokenizing: ~300 bytes a token)
+                release_free_memory()
+
+    def _prepare_body(self, body: bytes, chat: bool):
         kind = proto.ChatCompletionRequest if chat else proto.CompletionRequest
         req = proto.decode(body, kind, self.limits)
         if req.model is not None and req.model != self.model_name:
@@ -133,14 +144,17 @@ class OpenAIServer:
         field = "messages" if chat else "prompt"
         if chat:
             messages = proto.chat_messages(req)
-            self._check_prompt_bytes(b"".join(m["content"].encode("utf-8", "surrogatepass") for m in messages), field)
+            # Every text field of the messages, before the template copies them ...
+            self._check_prompt_bytes(b"".join(text.encode("utf-8", "surrogatepass") for m in messages
+                                              for text in m.values() if isinstance(text, str)), field)
             prompt = proto.chat_prompt(self.llm.tokenizer, req, messages)
         else:
             prompt = proto.completion_prompt(req)
-            if isinstance(prompt, str):
-                self._check_prompt_bytes(prompt.encode("utf-8", "surrogatepass"), field)
-            elif len(prompt) > self.max_prompt_tokens:
+            if not isinstance(prompt, str) and len(prompt) > self.max_prompt_tokens:
                 self._too_many_tokens(len(prompt), field)
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if isinstance(text, str):  # ... and the text that is tokenized, whatever the template added
+            self._check_prompt_bytes(text.encode("utf-8", "surrogatepass"), field)
         prepared = self.llm.make_request(rid, prompt, params)
         num_prompt = prepared.request.num_prompt_tokens
         if num_prompt > self.max_prompt_tokens:
@@ -169,8 +183,12 @@ class OpenAIServer:
 
     async def handle(self, request: Request, chat: bool) -> Response:
         body = await request.body()
-        req, params, prepared = await asyncio.get_running_loop().run_in_executor(self.pool, self._prepare, body, chat)
+        client = request.client.host if request.client is not None else ""
+        done, made = await _race_disconnect(self.preparation.run(client, self._prepare, body, chat), request.receive)
         del body
+        if not done:  # the client left while its request waited for (or was in) preparation
+            return Response(status_code=499)  # nobody reads it
+        req, params, prepared = made
         stream, rid = self.llm.add_made_request(prepared), prepared.request_id
         created = int(time.time())
         if req.stream:
@@ -216,7 +234,11 @@ class OpenAIServer:
                 yield _sse(resp.usage_chunk(rid, created, self.model_name, obj, len(last.prompt_token_ids), n_out,
                                             last.metrics))
             yield b"data: [DONE]\n\n"
-        except (RequestError, EngineDeadError) as exc:
+        except RequestError as exc:
+            status, param = resp.request_error_status(exc.output.error if exc.output is not None else None)
+            kind = "invalid_request_error" if status < 500 else "server_error"
+            yield _sse(resp.error_body(str(exc), kind, param, code=status))
+        except EngineDeadError as exc:
             yield _sse(resp.error_body(str(exc), "server_error", code=500))
         finally:
             if not stream.finished:
@@ -258,12 +280,13 @@ def build_app(llm, model_name: str, api_key: str | None = None, limits: ServerLi
     async def lifespan(app):
         yield
         await llm.shutdown()  # after the drain: abort what is left
-        server.pool.shutdown(wait=False, cancel_futures=True)
+        server.preparation.shutdown()
 
     app = FastAPI(title="tokenbudget", lifespan=lifespan)
     app.state.server = server
 
-    app.add_middleware(LimitBody, max_request_bytes=server.limits.max_request_bytes)
+    app.add_middleware(LimitBody, max_request_bytes=server.limits.max_request_bytes,
+                       timeout_body=server.limits.timeout_body)
     if api_key is not None:  # added last: runs first, so a body is never read without the key
         app.add_middleware(_RequireKey, api_key=api_key)
 
@@ -291,7 +314,8 @@ def build_app(llm, model_name: str, api_key: str | None = None, limits: ServerLi
 
     @app.exception_handler(RequestError)
     async def failed(request, exc: RequestError):
-        return _error(500, str(exc), "server_error")
+        status, param = resp.request_error_status(exc.output.error if exc.output is not None else None)
+        return _error(status, str(exc), "invalid_request_error" if status < 500 else "server_error", param)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

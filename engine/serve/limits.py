@@ -10,15 +10,17 @@ check itself the problem (a JSON value nested 100k deep is measured, not decoded
 from __future__ import annotations
 
 import json
-import re
 from typing import NamedTuple
 
 import msgspec
-import numpy as np
+
+from tokenbudget.engine.serve.json_depth import deep_field, max_depth
+from tokenbudget.scheduler.request_fault import short
 
 
 class ServerLimits(msgspec.Struct, frozen=True, kw_only=True):
-    """The server's limits (defaults in the field list; the flag is ``--`` + the name, dashed)."""
+    """The server's limits (defaults in the field list; the flag is ``--`` + the name, dashed).
+    Seconds are floats, everything else a positive integer."""
 
     max_request_bytes: int = 4 << 20  # request body; past it: 413
     max_prompt_tokens: int | None = None  # None: the engine's max_model_len
@@ -28,14 +30,28 @@ class ServerLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_n: int = 16
     max_stop_strings: int = 16  # entries of stop
     max_stop_string_chars: int = 256  # length of one stop string
+    max_stop_token_ids: int = 256  # entries of stop_token_ids
     max_logit_bias: int = 300  # entries of logit_bias (OpenAI's bound)
+    # Preparation (decode, template, tokenize, compile; engine/serve/preparation.py): past either, 429
+    max_preparing_requests: int = 256  # requests waiting for or in preparation, all clients together
+    max_preparing_per_client: int = 64  # of them from one client address
+    # The HTTP layer (engine/serve/connections.py); uvicorn's names where it has one
+    timeout_headers: float = 10.0  # seconds from connect (or the previous response) to complete headers; 408
+    timeout_body: float = 30.0  # seconds from complete headers to the whole body; 408
+    timeout_keep_alive: float = 5.0  # uvicorn's: an idle kept-alive connection closes after this
+    h11_max_incomplete_event_size: int = 16 << 10  # uvicorn's: bytes of an unfinished header block; 400
+    max_connections: int = 1024  # open connections (at most the descriptor limit less 64); past it the
+    #                              oldest one still sending its headers is closed (408)
 
     def __post_init__(self) -> None:
         for name in self.__struct_fields__:
             value = getattr(self, name)
             if value is None and name == "max_prompt_tokens":
                 continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if isinstance(self.__struct_defaults__[self.__struct_fields__.index(name)], float):
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                    raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+            elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
@@ -53,57 +69,30 @@ class LimitError(ValueError):
         self.param, self.status = param, status
 
 
-# A JSON string (escapes included): its brackets are not structure.
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_OPEN = np.zeros(256, dtype=np.int8)
-_OPEN[[ord("["), ord("{")]] = 1
-_OPEN[[ord("]"), ord("}")]] = -1
-
-
-def json_depth(raw: bytes) -> int:
-    """The nesting depth of one JSON text (``1`` for ``[]``, ``0`` for a number), without
-    decoding it: strings removed, then a running sum over the brackets."""
-    if b"[" not in raw and b"{" not in raw:
-        return 0
-    structure = _STRING.sub(b"", raw)
-    steps = _OPEN[np.frombuffer(structure, dtype=np.uint8)]
-    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
-
-
 def check_depth(body: bytes, limits: ServerLimits) -> None:
     """The nesting depth of each top-level field of a body, measured on the raw JSON before
-    anything decodes it (decoders recurse: a value nested 100k deep must never reach one)."""
-    deepest = max(limits.max_json_depth, limits.max_schema_depth)
-    if json_depth(body) - 1 <= min(limits.max_json_depth, limits.max_schema_depth):
+    anything decodes it (``json_depth``: linear time; decoders recurse, so a value nested 100k
+    deep must never reach one): ``response_format`` against ``max_schema_depth``, every other
+    field against ``max_json_depth``."""
+    floor = min(limits.max_json_depth, limits.max_schema_depth)
+    if body.count(b"[") + body.count(b"{") <= floor + 1 or max_depth(body) - 1 <= floor:
+        return  # (too few brackets to nest deeper, whatever the strings hold: the usual body)
+
+    def limit_of(name: str | None) -> int:
+        return limits.max_schema_depth if name == "response_format" else limits.max_json_depth
+
+    deep = deep_field(body, limit_of, floor, max(limits.max_json_depth, limits.max_schema_depth) + 1)
+    if deep is None:
         return
-    for name, depth in _field_depths(body, deepest + 1).items():
-        limit, which = ((limits.max_schema_depth, "max_schema_depth") if name == "response_format"
-                        else (limits.max_json_depth, "max_json_depth"))
-        if depth > limit:
-            raise LimitError(f"{name} is nested more than {flag(which)}={limit} levels deep", name)
-    raise LimitError(f"the request body is nested more than {flag('max_json_depth')}={limits.max_json_depth} "
-                     f"levels deep", None)
-
-
-def _field_depths(body: bytes, cap: int) -> dict[str, int]:
-    """Top-level field name -> nesting depth of its value (counted up to ``cap``), for a body that
-    is a JSON object; strings are kept short and bracket-free so only structure is counted."""
-    text = _STRING.sub(lambda m: b'"' + m.group(0)[1:-1][:64].translate(None, b'[]{}"\\') + b'"', body)
-    depth = np.cumsum(_OPEN[np.frombuffer(text, dtype=np.uint8)], dtype=np.int64)
-    keys = [m for m in _KEY.finditer(text) if m.start() > 0 and depth[m.start() - 1] == 1]  # the top level's
-    result: dict[str, int] = {}
-    for m, after in zip(keys, keys[1:] + [None]):
-        span = depth[m.end():after.start() if after is not None else len(depth)]
-        name = m.group(1).decode("utf-8", "replace")
-        result[name] = min(max(int(span.max(initial=1)) - 1, 0), cap)
-    return result
-
-
-_KEY = re.compile(rb'"([^"]*)"\s*:')
+    which = "max_schema_depth" if deep.name == "response_format" else "max_json_depth"
+    if deep.name is None:
+        raise LimitError(f"the request body is nested more than {flag(which)}={limit_of(None)} levels deep", None)
+    raise LimitError(f"{short(deep.name, 64)} is nested more than {flag(which)}={limit_of(deep.name)} levels deep",
+                     deep.name)
 
 
 def check_counts(req, limits: ServerLimits) -> None:
-    """``n``, ``stop``, ``logit_bias`` and the schema's size, of a decoded body."""
+    """``n``, ``stop``, ``stop_token_ids``, ``logit_bias`` and the schema's size, of a decoded body."""
     response_format = getattr(req, "response_format", None)
     if response_format is not None:
         size = len(msgspec.json.encode(response_format))
@@ -113,6 +102,9 @@ def check_counts(req, limits: ServerLimits) -> None:
     if req.n is not None and req.n > limits.max_n:
         raise LimitError(f"n={req.n} is more than {flag('max_n')}={limits.max_n}", "n")
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if req.stop_token_ids and len(req.stop_token_ids) > limits.max_stop_token_ids:
+        raise LimitError(f"stop_token_ids has {len(req.stop_token_ids)} entries, more than "
+                         f"{flag('max_stop_token_ids')}={limits.max_stop_token_ids}", "stop_token_ids")
     if len(stop) > limits.max_stop_strings:
         raise LimitError(f"stop has {len(stop)} strings, more than {flag('max_stop_strings')}="
                          f"{limits.max_stop_strings}", "stop")
@@ -131,7 +123,7 @@ class ByteBound(NamedTuple):
     dropped: bytes  # byte values the tokenizer has no symbol for: it drops them, so they count for nothing
 
     def min_tokens(self, data: bytes) -> int:
-        counted = len(data) - sum(data.count(bytes((b,))) for b in self.dropped)
+        counted = len(data.translate(None, self.dropped)) if self.dropped else len(data)  # one pass
         return -(-counted // self.bytes_per_token)
 
 

@@ -25,6 +25,7 @@ import msgspec
 import uvicorn
 
 from tokenbudget.engine.serve import responses as resp
+from tokenbudget.engine.serve.connections import uvicorn_config
 
 logger = logging.getLogger("tokenbudget")
 
@@ -122,8 +123,8 @@ def make_replica_server(load: Callable[[], object], model_name: str, host: str =
     from tokenbudget.engine.serve.app import build_app
 
     gate = ReplicaGate()
-    config = uvicorn.Config(gate, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace_period,
-                            lifespan="on", access_log=False)
+    config = uvicorn_config(gate, (app_options or {}).get("limits"), host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=grace_period)
     server = DrainingServer(config, gate, grace_period)
     server.load_error = None
 

@@ -22,6 +22,22 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
                       "param": param if param is None or len(str(param)) <= 64 else None, "code": code}}
 
 
+# How a request that ended with ``finish_reason="error"`` is answered: a fault of what the request
+# asked for (its grammar: masks past their budget, a token it refuses; parameters that leave no
+# token allowed) is the client's, a 400 (a router must not retry it elsewhere: it fails there too);
+# anything else the engine isolated to the request stays a 500. The reason's first word says which
+# (``scheduler.request_fault``: a request fault names its field).
+_REQUEST_FAULTS = {"structured_outputs": "response_format", "no token is allowed": None}
+
+
+def request_error_status(reason: str | None) -> tuple[int, str | None]:
+    """``(HTTP status, error.param)`` for a request that failed in a step with ``reason``."""
+    for prefix, param in _REQUEST_FAULTS.items():
+        if (reason or "").startswith(prefix):
+            return 400, param
+    return 500, None
+
+
 def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from tokenbudget.engine.serve.app import build_app
+from tokenbudget.engine.serve.connections import uvicorn_config
 from tokenbudget.engine.serve.limits import ServerLimits
 
 
@@ -25,8 +26,8 @@ def make_server(llm, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                 grace_period: float = 30.0, log_level: str = "info", limits: ServerLimits | None = None
                 ) -> uvicorn.Server:
     app = build_app(llm, model_name, api_key, limits)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace_period,
-                            lifespan="on", access_log=False)
+    config = uvicorn_config(app, limits, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=grace_period)
     return uvicorn.Server(config)
 
 

@@ -35,7 +35,10 @@ __all__ = ["GrammarBackend", "GrammarMatcher"]
 
 
 class GrammarMatcher(ABC):
-    """One request's grammar state: the output tokens consumed so far."""
+    """One request's grammar state: the output tokens consumed so far. ``cost``: the CPU seconds
+    its next masks are expected to take (kept by the manager; the step's mask budget reads it)."""
+
+    cost: float = 0.0
 
     @abstractmethod
     def fill_bitmask(self, out: np.ndarray) -> None:

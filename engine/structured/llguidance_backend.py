@@ -19,10 +19,11 @@ from tokenbudget.engine.structured.backend import GrammarBackend, GrammarMatcher
 
 
 class LLGuidanceMatcher(GrammarMatcher):
-    __slots__ = ("_m",)
+    __slots__ = ("_m", "cost")
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, cost: float = 0.0) -> None:
         self._m = matcher
+        self.cost = cost
 
     def fill_bitmask(self, out: np.ndarray) -> None:
         self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
@@ -45,7 +46,7 @@ class LLGuidanceMatcher(GrammarMatcher):
         return self._m.get_error().replace("<non-verbose/>", "").strip() if self._m.is_error() else None
 
     def copy(self) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(self._m.deep_copy())
+        return LLGuidanceMatcher(self._m.deep_copy(), self.cost)
 
 
 class LLGuidanceBackend(GrammarBackend):

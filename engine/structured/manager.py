@@ -22,7 +22,9 @@ tokens. Everything else follows from it.
   committed state before returning (also on error). A request whose mask cannot be computed
   (matcher error, a row that allows no token) or whose masks cost more than ``max_mask_ms`` of
   CPU time in the step is a ``RequestFault``: it ends alone, before the forward, and one
-  request's grammar never holds the batch up for longer than that budget.
+  request's grammar never holds the batch up for longer than that budget. The masks of all
+  requests together stay within the step's budget (``mask_budget``: ``plan_step`` leaves out of
+  the step the requests whose share is used up; past the budget anyway, ``MaskDeferral``).
 * ``prepare(plan)`` (before the output processor): the step's new tokens are checked against the
   grammar, then consumed, and journaled. A request whose grammar is complete after some token
   (nothing but EOS may follow) finishes there with ``finish_reason="stop"``; tokens after it
@@ -51,6 +53,7 @@ import numpy as np
 from tokenbudget.api.grammar_source import grammar_source
 from tokenbudget.engine.structured.backend import GrammarBackend, GrammarMatcher
 from tokenbudget.engine.structured.llguidance_backend import load_backend
+from tokenbudget.engine.structured.mask_budget import MaskBudget, MaskDeferral
 from tokenbudget.request_table import RequestTable
 from tokenbudget.scheduler.drafts import DraftBatch
 from tokenbudget.scheduler.output import EngineCoreOutput, SchedulerOutput
@@ -59,6 +62,7 @@ from tokenbudget.scheduler.request_fault import RequestFault, short
 from tokenbudget.scheduler.stop import end_at
 
 DEFAULT_MAX_MASK_MS = 10.0
+DEFAULT_MAX_BATCH_MASK_MS = 5.0
 # The first mask builds the lexer's caches (up to ~7 ms for an ordinary schema on a 49k vocabulary,
 # benches/RESULTS.md) and is paid once, off the step loop: it may take this many per-step budgets.
 FIRST_MASK_ALLOWANCE = 10
@@ -67,12 +71,15 @@ FIRST_MASK_ALLOWANCE = 10
 class StructuredOutputs:
     """The engine's grammar states; ``tokenizer`` None means structured requests are refused."""
 
-    def __init__(self, tokenizer=None, vocab_size: int = 0, max_mask_ms: float = DEFAULT_MAX_MASK_MS) -> None:
+    def __init__(self, tokenizer=None, vocab_size: int = 0, max_mask_ms: float = DEFAULT_MAX_MASK_MS,
+                 max_batch_mask_ms: float = DEFAULT_MAX_BATCH_MASK_MS) -> None:
         if not max_mask_ms > 0:
             raise ValueError(f"max_mask_ms must be > 0, got {max_mask_ms!r}")
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_mask_seconds = max_mask_ms / 1000.0  # CPU time one request's masks may take per step
+        self.budget = MaskBudget(max_batch_mask_ms / 1000.0)  # CPU time all masks of a step may take
+        self._step_masks: dict[str, tuple[list[int], np.ndarray]] = {}  # this step's, kept across its attempts
         self._backend: GrammarBackend | None = None  # built on first use (~0.3 s on a 49k vocabulary)
         self._backend_lock = threading.Lock()
         self.matchers: RequestTable[GrammarMatcher] = RequestTable("grammar matchers")
@@ -107,6 +114,7 @@ class StructuredOutputs:
             raise ValueError(f"structured_outputs: the grammar is too costly: its first mask took "
                              f"{spent * 1e3:.0f} ms of CPU, more than the "
                              f"{FIRST_MASK_ALLOWANCE * self.max_mask_seconds * 1e3:g} ms allowed")
+        matcher.cost = spent  # the estimate of its masks until the first step measures one
         return matcher
 
     def _load_backend(self) -> GrammarBackend:
@@ -132,7 +140,22 @@ class StructuredOutputs:
     def tables(self) -> tuple[RequestTable, ...]:
         return (self.matchers,)
 
+    def forget(self, request_id: str) -> None:
+        """A finished request's share of the mask budget (accounting across steps, not step state:
+        nothing to roll back, so it lives outside the tables)."""
+        self.budget.forget(request_id)
+
     # ---- one step
+    def plan_step(self, num_requests: int) -> frozenset[str]:
+        """At the start of a step with ``num_requests`` requests in flight: the structured ones
+        that wait this step, their share of the step's mask budget used up (``mask_budget``);
+        usually none."""
+        self._step_masks.clear()
+        if not self.matchers:
+            return frozenset()
+        return self.budget.defer({rid: matcher.cost for rid, matcher in self.matchers.items()},
+                                 alone=num_requests <= len(self.matchers))
+
     def trim_drafts(self, batch: DraftBatch) -> DraftBatch:
         """``batch`` with each structured request's drafts cut before their first illegal token."""
         if not self.matchers:
@@ -152,32 +175,51 @@ class StructuredOutputs:
 
     def grammar_bitmask(self, sched: SchedulerOutput) -> dict[str, np.ndarray] | None:
         """The masks of the step's sampling rows (``SchedulerOutput.grammar_bitmask``); raises
-        ``RequestFault`` naming every request whose masks fail or exceed the budget. The
-        matchers are back in their committed state when it returns or raises."""
+        ``RequestFault`` naming every request whose masks fail or exceed the budget, then
+        ``MaskDeferral`` naming those left once the step's budget is spent (masks made are kept
+        for the step's next attempt). The matchers are back in their committed state when it
+        returns or raises."""
         if not self.matchers:
             return None
         wall = time.perf_counter()
         width = self._backend.bitmask_width
         masks: dict[str, np.ndarray] = {}
         faults: dict[str, str] = {}
+        late: list[str] = []  # past the step's budget: they wait (MaskDeferral)
+        spent_in_step = 0.0
         for sr in sched.scheduled:
-            matcher = self.matchers.get(sr.request_id)
+            rid = sr.request_id
+            matcher = self.matchers.get(rid)
             if matcher is None or not sr.needs_sample:
+                continue
+            made = self._step_masks.get(rid)
+            if made is not None and made[0] == sr.spec_token_ids:  # an earlier attempt of this step made it
+                masks[rid] = made[1]
+                continue
+            if spent_in_step > self.budget.seconds:
+                late.append(rid)
                 continue
             start = time.thread_time()
             try:
-                masks[sr.request_id] = _verify_rows(matcher, sr.spec_token_ids, width)
+                masks[rid] = _verify_rows(matcher, sr.spec_token_ids, width)
             except _GrammarStuck as exc:
-                faults[sr.request_id] = f"structured_outputs: {exc}"
+                faults[rid] = f"structured_outputs: {exc}"
                 continue
             spent = time.thread_time() - start
+            spent_in_step += spent
+            matcher.cost = max(spent, matcher.cost / 2)
+            self.budget.charge(rid, spent)
             if spent > self.max_mask_seconds:
-                faults[sr.request_id] = (f"structured_outputs: the grammar's masks took {spent * 1e3:.0f} ms of CPU "
-                                         f"in one step, more than the {self.max_mask_seconds * 1e3:g} ms allowed")
-            self.mask_rows += len(masks[sr.request_id])
+                faults[rid] = (f"structured_outputs: the grammar's masks took {spent * 1e3:.0f} ms of CPU "
+                               f"in one step, more than the {self.max_mask_seconds * 1e3:g} ms allowed")
+                continue
+            self._step_masks[rid] = (list(sr.spec_token_ids), masks[rid])
+            self.mask_rows += len(masks[rid])
         self.mask_seconds += time.perf_counter() - wall
         if faults:
             raise RequestFault(faults)
+        if late:
+            raise MaskDeferral(late)
         return masks or None
 
     def prepare(self, plan: list[EngineCoreOutput]) -> None:

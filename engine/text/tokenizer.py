@@ -132,7 +132,9 @@ class Tokenizer:
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         if self._encoder is not None:
             return self._encoder.encode(text, add_special_tokens)
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode does not): a long text tokenized in
+        # a server's preparation thread must not stop its event loop and step thread.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; incomplete UTF-8 sequences decode to U+FFFD."""

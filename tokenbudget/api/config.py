@@ -51,6 +51,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # CPU milliseconds one request's grammar masks may take in one step (its first mask: at
     # admission); past it that request fails alone (engine/structured/manager.py).
     max_grammar_mask_ms: float = 10.0
+    # CPU milliseconds the grammar masks of all requests may take together in a step (on average;
+    # at most this plus one request's): past it the costliest wait (engine/structured/mask_budget.py).
+    max_batch_grammar_mask_ms: float = 5.0
+    # Admission: the estimated CPU ms of one step's masks of every structured request in flight;
+    # a new structured request that would take it past this gets EngineOverloadedError (429), so
+    # the costly ones cannot pile up waiting for their turns. None = no bound.
+    max_grammar_mask_ms_in_flight: float | None = 100.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -64,9 +71,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
         if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no cap, got {self.max_logprobs!r}")
-        if (not isinstance(self.max_grammar_mask_ms, (int, float)) or isinstance(self.max_grammar_mask_ms, bool)
-                or not self.max_grammar_mask_ms > 0):
-            raise ValueError(f"max_grammar_mask_ms must be a positive number, got {self.max_grammar_mask_ms!r}")
+        for name in ("max_grammar_mask_ms", "max_batch_grammar_mask_ms", "max_grammar_mask_ms_in_flight"):
+            v = getattr(self, name)
+            if v is None and name == "max_grammar_mask_ms_in_flight":
+                continue
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ValueError(f"{name} must be a positive number, got {v!r}")
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold!r}")
         for name in ("cuda_graphs", "deterministic"):
@@ -91,8 +101,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def admission_control(self) -> bool:
-        """True when ``max_queued_requests`` or ``max_queued_tokens`` bounds the queue."""
-        return self.max_queued_requests is not None or self.max_queued_tokens is not None
+        """True when ``max_queued_requests``, ``max_queued_tokens`` or
+        ``max_grammar_mask_ms_in_flight`` bounds what is accepted."""
+        return (self.max_queued_requests is not None or self.max_queued_tokens is not None
+                or self.max_grammar_mask_ms_in_flight is not None)
 
     @property
     def spec_config(self):

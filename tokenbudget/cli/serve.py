@@ -42,12 +42,19 @@ def add_parser(sub) -> None:
     from tokenbudget.engine.serve.limits import ServerLimits, flag
     defaults = ServerLimits()
     for name in ServerLimits.__struct_fields__:
-        p.add_argument(flag(name), type=int, default=getattr(defaults, name), dest=name,
-                       help=f"request limit (default: {getattr(defaults, name) or 'the context length'}; "
+        kind = float if isinstance(getattr(defaults, name), float) else int
+        p.add_argument(flag(name), type=kind, default=getattr(defaults, name), dest=name,
+                       help=f"limit (default: {getattr(defaults, name) or 'the context length'}; "
                             "docs/serving.md, Security and limits)")
     p.add_argument("--max-grammar-mask-ms", type=float, default=None,
                    help="CPU ms one request's grammar masks may take per step; past it the request fails "
                         "(default: 10)")
+    p.add_argument("--max-batch-grammar-mask-ms", type=float, default=None,
+                   help="CPU ms the grammar masks of all requests may take in a step (on average); past it the "
+                        "costliest wait (default: 5)")
+    p.add_argument("--max-grammar-mask-ms-in-flight", type=float, default=None,
+                   help="estimated CPU ms a step of the masks of every structured request in flight; a new "
+                        "structured request past it gets 429 (default: 100)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--cuda-graphs", action="store_true", help="CUDA only: capture decode batches in CUDA graphs")
     p.set_defaults(run=run)
@@ -55,7 +62,8 @@ def add_parser(sub) -> None:
 
 _ENGINE_FLAGS = ("revision", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                  "kv_cache_memory_bytes", "block_size", "scheduling_policy", "num_threads", "seed",
-                 "long_prefill_token_threshold", "max_queued_requests", "max_queued_tokens", "max_grammar_mask_ms")
+                 "long_prefill_token_threshold", "max_queued_requests", "max_queued_tokens", "max_grammar_mask_ms",
+                 "max_batch_grammar_mask_ms", "max_grammar_mask_ms_in_flight")
 
 
 def served_name(model: str | None) -> str:
