@@ -83,7 +83,7 @@ def worker(args) -> dict:
 
     from tokenbudget import LLM
     from tokenbudget.api.spec_config import SpeculativeConfig
-    from tokenbudget.engine.core.wiring import _build_speculator
+    from tokenbudget.engine.drafters.factory import build_speculator
     from tokenbudget.spec.speculator import Speculator
 
     llm = LLM(num_threads=args.threads, enable_prefix_caching=False,
@@ -92,7 +92,7 @@ def worker(args) -> dict:
     engine = llm.engine
     cfgs = configs(args.ks, args.method)
     t0 = time.perf_counter()
-    specs = {label: (Speculator() if cfg is None else _build_speculator(
+    specs = {label: (Speculator() if cfg is None else build_speculator(
         SpeculativeConfig.from_dict(cfg), engine.target, engine.scheduler, engine.runner))
         for label, cfg in cfgs.items()}
     ctrl = specs[AUTO].controller

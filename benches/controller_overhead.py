@@ -1,6 +1,7 @@
 """What the draft-length controller costs per step, apart from the engine.
 
-``AdaptiveSpecController.choose`` (with the step's ``snapshot``), ``observe`` and ``observe_step``
+``AdaptiveSpecController.choose`` (inside a step of its tables' journal, as in the engine),
+``observe`` and ``observe_step``
 timed in a loop at batch sizes 1-64, every request with drafts to choose from (caps of 4, the
 worst case: a step where no request has a draft returns before any of this), on a synthetic cost
 model shaped like the C kernels' (a ~4 ms step). Warm-loop figures: inside the engine the same
@@ -30,7 +31,8 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     from tokenbudget.spec.adaptive import AdaptiveSpecController
-    from tokenbudget.spec.cost_model import StepShape, synthetic_model
+    from tokenbudget.spec.cost_model import synthetic_model
+    from tokenbudget.spec.step_shape import StepShape
 
     rows, out = [], {}
     for b in args.batch_sizes:
@@ -47,8 +49,11 @@ def main(argv=None) -> dict:
         timings = {}
         t = time.perf_counter()
         for _ in range(args.iters):
-            ctrl.snapshot()
+            for table in ctrl.tables:
+                table.begin()
             ctrl.choose(reqs, base, caps)
+            for table in ctrl.tables:
+                table.commit()
         timings["choose_us"] = (time.perf_counter() - t) / args.iters * 1e6
         t = time.perf_counter()
         for i in range(args.iters):

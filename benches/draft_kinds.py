@@ -44,6 +44,8 @@ def score(proposer, prompt: list[int], output: list[int], k: int, stats: dict) -
         s[0] += 1
         s[1] += n > 0
         s[2] += n
+    for table in proposer.tables:  # the engine's release path
+        table.drop(req.request_id)
     proposer.on_finished(req)
 
 

@@ -40,7 +40,7 @@ def main(argv=None) -> dict:
     import tokenbudget.spec.adaptive as adaptive
     from tokenbudget import LLM
     from tokenbudget.api.spec_config import SpeculativeConfig
-    from tokenbudget.engine.core.wiring import _build_speculator
+    from tokenbudget.engine.drafters.factory import build_speculator
     from tokenbudget.spec.speculator import Speculator
 
     llm = LLM(num_threads=args.threads, enable_prefix_caching=False, max_model_len=1024 + args.max_tokens + 16,
@@ -49,7 +49,7 @@ def main(argv=None) -> dict:
 
     def build(k):
         cfg = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": k})
-        return _build_speculator(cfg, engine.target, engine.scheduler, engine.runner)
+        return build_speculator(cfg, engine.target, engine.scheduler, engine.runner)
 
     specs = {"plain": Speculator()}
     if args.k:

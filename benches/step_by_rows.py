@@ -33,9 +33,9 @@ def main(argv=None) -> dict:
 
     from tokenbudget import LLM
     from tokenbudget.api.spec_config import SpeculativeConfig
-    from tokenbudget.engine.core.wiring import _build_speculator
-    from tokenbudget.spec.cost_model import step_shape
+    from tokenbudget.engine.drafters.factory import build_speculator
     from tokenbudget.spec.speculator import Speculator
+    from tokenbudget.spec.step_shape import step_shape
 
     b = args.batch
     llm = LLM(num_threads=args.threads, enable_prefix_caching=False, max_model_len=1024 + args.max_tokens + 32,
@@ -44,7 +44,7 @@ def main(argv=None) -> dict:
     ids = [chat_token_ids(llm.tokenizer, t, 1024) for t in prompt_texts(args.workload, b)]
     out = {}
     for label, cfg in (("plain", None), ("ngram k=2", {"method": "ngram", "num_speculative_tokens": 2})):
-        sp = Speculator() if cfg is None else _build_speculator(
+        sp = Speculator() if cfg is None else build_speculator(
             SpeculativeConfig.from_dict(cfg), eng.target, eng.scheduler, eng.runner)
         bins: dict[int, list[float]] = collections.defaultdict(list)
         commit = sp.commit

@@ -8,8 +8,8 @@ program's fp32 accumulation over K in fixed ``BLOCK_K`` steps, in order, with th
 ``i`` of the result is the same bits for any M and any other rows.
 
 Cost: slower than cuBLAS (no autotuning, no split-K, small fixed tiles); on an H200 with an 8B
-shape a 64-request decode step costs about what eager cuBLAS costs, a 64 x 3-row verify step 1.45x
-(benches/RESULTS.md, "First GPU run"). Checked against ``torch.matmul`` under the Triton interpreter
+shape a decode step costs about what eager cuBLAS costs, a verify step more (benches/RESULTS.md,
+"First GPU run"). Checked against ``torch.matmul`` under the Triton interpreter
 (``TRITON_INTERPRET=1``) in CI: ``tests/test_batch_invariant_matmul.py``.
 """
 

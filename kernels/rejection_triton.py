@@ -18,7 +18,7 @@ ties left inside a tile, and a later tile only wins when strictly greater); padd
 multiplied by the vocabulary size.
 
 Output columns: ``max_k + 1``; ``max_k = int(num_draft_tokens.max())`` costs a device sync, so
-callers that know it (the scheduler does) pass ``max_num_draft_tokens``.
+callers that know it (the sampler, from the step's drafts on the host) pass ``max_num_draft_tokens``.
 """
 
 from __future__ import annotations

@@ -10,18 +10,26 @@ and ``num_computed_tokens``. What it guarantees:
   draft, and a prefix-cache hit never covers a request's last token (it is always recomputed,
   because the step needs its logits).
 
-While ``journal`` is set (``set_journal``, during a step's scheduling) block-table changes record
-their inverses, as the pool's do (``kv_cache.journal``).
+One record per request (``RequestBlocks``, in the ``requests`` table, ``tokenbudget.request_table``):
+its blocks, their ids (the block table handed to the step contract), how many are in the prefix
+cache and the block hashes of its committed prefix. Unlike the tables above the scheduler, these
+records change in place: the scheduler's hot loop asks for every running request's blocks every
+step, and a block boundary crossed (every few steps per request with drafts) would otherwise be a
+new record and two new lists. So while ``journal`` is set (``set_journal``, during a step's
+scheduling) every change records its inverse in the step's ``UndoLog``, as the pool's changes do
+(``kv_cache.journal``): the scheduler's journal, which also keeps a preemption a rollback after a
+forward pass must not undo.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenbudget.kv_cache.block import KVBlock
 from tokenbudget.kv_cache.block_pool import BlockPool
 from tokenbudget.kv_cache.hashing import extend_block_hashes
 from tokenbudget.kv_cache.journal import UndoLog
+from tokenbudget.request_table import RequestTable
 
 
 @dataclass(slots=True)
@@ -34,6 +42,20 @@ class KVCacheUsage:
     prefix_cache_hits: int
 
 
+@dataclass(slots=True)
+class RequestBlocks:
+    """One request's blocks (changed in place, journaled in the step's ``UndoLog``: module doc)."""
+
+    blocks: list[KVBlock] = field(default_factory=list)  # held, in position order; empty: not allocated
+    block_ids: list[int] = field(default_factory=list)   # their ids: the block table of the step contract
+    num_cached: int = 0                                  # leading blocks registered in the prefix cache
+    hashes: list[int] = field(default_factory=list)      # chained hashes of the committed prefix's full
+    #                                                      blocks computed so far (a cache of the tokens)
+
+
+_NONE = RequestBlocks()
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
                  enable_prefix_caching: bool = True) -> None:
@@ -43,10 +65,7 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
-        self.req_blocks: dict[str, list[KVBlock]] = {}
-        self.req_block_ids: dict[str, list[int]] = {}
-        self.req_hashes: dict[str, list[int]] = {}
-        self.req_num_cached: dict[str, int] = {}
+        self.requests: RequestTable[RequestBlocks] = RequestTable("kv blocks")
         self.prefix_queries = 0  # prompt tokens of admitted requests
         self.prefix_hits = 0  # of those, tokens served from the cache
         self.journal: UndoLog | None = None
@@ -65,7 +84,7 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table (a live list: read it, do not mutate it)."""
-        return self.req_block_ids.get(request_id, [])
+        return self.requests.get(request_id, _NONE).block_ids
 
     def usage(self) -> KVCacheUsage:
         pool = self.pool
@@ -86,7 +105,11 @@ class KVCacheManager:
         if not self.looks_up(request):
             return [], 0
         tokens = request.all_token_ids
-        hashes = self.req_hashes.setdefault(request.request_id, [])
+        rec = self.requests.get(request.request_id)
+        if rec is None:  # a cache of the tokens, kept (with no blocks) until the request is freed
+            rec = RequestBlocks()
+            self.requests.set(request.request_id, rec)
+        hashes = rec.hashes
         max_blocks = (len(tokens) - 1) // self.block_size
         extend_block_hashes(hashes, tokens, self.block_size, max_blocks)
         hits: list[KVBlock] = []
@@ -125,56 +148,55 @@ class KVCacheManager:
         cannot serve the request; then nothing changed.
         """
         rid = request.request_id
-        held = self.req_blocks.get(rid)
-        if held is not None and not new_computed_blocks:
+        rec = self.requests.get(rid)
+        held = rec.blocks if rec is not None else None
+        if held and not new_computed_blocks:
             # Fast path (a running request's decode/verify step): same arithmetic as below.
             total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
             if num_lookahead_tokens:
                 total = min(total + num_lookahead_tokens, max(total, self.max_model_len))
             if -(-total // self.block_size) <= len(held):
-                return self.req_block_ids[rid]
-        num_held = len(held) if held is not None else 0
+                return rec.block_ids
+        num_held = len(held) if held else 0
         num_hits = len(new_computed_blocks) if new_computed_blocks else 0
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         total = min(total + num_lookahead_tokens, max(total, self.max_model_len))
         num_needed = -(-total // self.block_size) - num_held - num_hits
-        if num_needed <= 0 and not num_hits and held is not None:
-            return self.req_block_ids[rid]  # fast path: the step fits in the blocks held
+        if num_needed <= 0 and not num_hits and held:
+            return rec.block_ids  # fast path: the step fits in the blocks held
         pool = self.pool
         # Hits sitting in the free queue are free blocks we are about to take back.
         revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if num_hits else 0
         if num_needed > pool.num_free_blocks - revived:
             return None
+        if rec is None:
+            rec = RequestBlocks()
+            self.requests.set(rid, rec)
         if self.journal is not None:
-            self.journal.record(self._undo_allocate, rid, num_held if held is not None else None,
-                                self.req_num_cached.get(rid, 0))
-        if held is None:
-            held = self.req_blocks[rid] = []
-            self.req_block_ids[rid] = []
-            self.req_num_cached[rid] = 0
-        ids = self.req_block_ids[rid]
+            self.journal.record(self._undo_allocate, rec, num_held, rec.num_cached)
+        held, ids = rec.blocks, rec.block_ids
         if num_hits:
             pool.touch(new_computed_blocks)
             held.extend(new_computed_blocks)
             ids.extend(b.block_id for b in new_computed_blocks)
-            self.req_num_cached[rid] = len(held)
+            rec.num_cached = len(held)
         if num_needed > 0:
             new = pool.get_new_blocks(num_needed)
             held.extend(new)
             ids.extend(b.block_id for b in new)
         return ids
 
-    def _undo_allocate(self, dirty: bool, rid: str, num_held: int | None, num_cached: int) -> None:
-        """Table side of an allocation (the pool's own records give the blocks back)."""
-        if num_held is None:
-            del self.req_blocks[rid], self.req_block_ids[rid], self.req_num_cached[rid]
-        else:
-            del self.req_blocks[rid][num_held:], self.req_block_ids[rid][num_held:]
-            self.req_num_cached[rid] = num_cached
+    @staticmethod
+    def _undo_allocate(dirty: bool, rec: RequestBlocks, num_held: int, num_cached: int) -> None:
+        """Table side of an allocation (the pool's own records give the blocks back); a record
+        left without blocks keeps its hashes until the request is freed, like one that only looked up."""
+        del rec.blocks[num_held:], rec.block_ids[num_held:]
+        rec.num_cached = num_cached
 
     def rewind(self, request, num_lookahead_tokens: int = 0) -> int:
         """Free tail blocks beyond ``num_computed_tokens + num_lookahead_tokens``; returns how many."""
-        held = self.req_blocks.get(request.request_id)
+        rec = self.requests.get(request.request_id)
+        held = rec.blocks if rec is not None else None
         if not held:
             return 0
         keep_tokens = min(request.num_computed_tokens + num_lookahead_tokens,
@@ -185,7 +207,7 @@ class KVCacheManager:
             return 0
         tail = held[keep:]
         del held[keep:]
-        del self.req_block_ids[request.request_id][keep:]
+        del rec.block_ids[keep:]
         tail.reverse()
         self.pool.free_blocks(tail)
         return extra
@@ -200,50 +222,50 @@ class KVCacheManager:
         if num_committed < num_full:
             num_full = num_committed
         num_full //= self.block_size
-        done = self.req_num_cached.get(rid, 0)
+        rec = self.requests.get(rid, _NONE)
+        done = rec.num_cached
         if num_full <= done:
             return
-        hashes = self.req_hashes.setdefault(rid, [])
+        hashes = rec.hashes
         extend_block_hashes(hashes, request.all_token_ids, self.block_size, num_full)
-        held = self.req_blocks[rid]
+        held = rec.blocks
         cache_block = self.pool.cache_block
         for i in range(done, num_full):
             cache_block(held[i], hashes[i])
-        self.req_num_cached[rid] = num_full
+        rec.num_cached = num_full
 
     def free(self, request) -> None:
         """Release every block of the request (tail first) and forget it."""
-        rid = request.request_id
-        held = self.req_blocks.pop(rid, None)
-        ids = self.req_block_ids.pop(rid, None)
-        num_cached = self.req_num_cached.pop(rid, None)
-        hashes = self.req_hashes.pop(rid, None)
-        if self.journal is not None and held is not None:
-            self.journal.record(self._undo_free, rid, held, ids, num_cached, hashes)
-        if held:
-            self.pool.free_blocks(held[::-1])
+        rec = self.requests.pop(request.request_id)
+        if rec is None:
+            return
+        if self.journal is not None:
+            self.journal.record(self._undo_free, request.request_id, rec)
+        if rec.blocks:
+            self.pool.free_blocks(rec.blocks[::-1])
 
-    def _undo_free(self, dirty: bool, rid: str, held, ids, num_cached, hashes) -> None:
-        self.req_blocks[rid], self.req_block_ids[rid], self.req_num_cached[rid] = held, ids, num_cached
-        if hashes is not None:
-            self.req_hashes[rid] = hashes
+    def _undo_free(self, dirty: bool, rid: str, rec: RequestBlocks) -> None:
+        self.requests.set(rid, rec)
 
     # ------------------------------------------------------------------ checks
     def num_blocks_held(self, request_id: str) -> int:
-        return len(self.req_blocks.get(request_id, ()))
+        return len(self.requests.get(request_id, _NONE).blocks)
+
+    def num_cached_blocks(self, request_id: str) -> int:
+        return self.requests.get(request_id, _NONE).num_cached
 
     def check_integrity(self) -> None:
         """Invariant 4 of docs/DESIGN.md: free + held (counted once) == total; refs match holders."""
         pool = self.pool
         pool.check_integrity()
         refs: dict[int, int] = {}
-        for rid, held in self.req_blocks.items():
-            ids = [b.block_id for b in held]
-            assert ids == self.req_block_ids[rid], f"{rid}: block table out of sync"
+        for rid, rec in self.requests.items():
+            ids = [b.block_id for b in rec.blocks]
+            assert ids == rec.block_ids, f"{rid}: block table out of sync"
             assert len(set(ids)) == len(ids), f"{rid} holds a block twice"
-            for b in held:
+            for b in rec.blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
-            assert self.req_num_cached.get(rid, 0) <= len(held)
+            assert rec.num_cached <= len(rec.blocks)
         for block in pool.blocks:
             assert block.ref_cnt == refs.get(block.block_id, 0), (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} != holders {refs.get(block.block_id, 0)}")

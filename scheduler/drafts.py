@@ -1,7 +1,7 @@
 """Drafts on their way into the scheduler: one carrier and one rule for how many are useful.
 
 ``DraftBatch`` is the only way drafts (and a model drafter's probabilities) reach the scheduler,
-through ``Scheduler.add_drafts``, which cuts every list to ``draft_limit``. Proposers and the
+through ``Scheduler.add_drafts`` (``set_drafts``), which cuts every list to ``draft_limit``. Proposers and the
 draft-length controller use the same function to size what they propose, so nothing is drafted
 that would be cut.
 
@@ -15,10 +15,12 @@ inside the model length. ``Request.max_spec_tokens`` (0 = never speculate) caps 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tokenbudget.scheduler.request import Request
+from tokenbudget.kv_cache.journal import UndoLog
+from tokenbudget.scheduler.request import Request, RequestStatus
 
 
 def draft_limit(request: Request, max_model_len: int, k: int | None = None) -> int:
@@ -53,3 +55,29 @@ class DraftBatch:
     @property
     def num_draft_tokens(self) -> int:
         return sum(len(t) for t in self.token_ids)
+
+
+def set_drafts(request_of: Callable[[str], Request | None], batch: DraftBatch, max_model_len: int,
+               journal: UndoLog) -> None:
+    """Give each running request of ``batch`` its drafts (and their probabilities), cut to
+    ``draft_limit``; the lists they replace go to ``journal`` (replaced, never changed in place:
+    ``Request.spec_token_ids``)."""
+    probs = batch.probs if batch.probs is not None else [None] * len(batch.request_ids)
+    previous: list = []  # request, its drafts, their probs, ...: flat (no tuple per request for the GC)
+    for rid, tokens, q in zip(batch.request_ids, batch.token_ids, probs):
+        request = request_of(rid)
+        if request is None or request.status != RequestStatus.RUNNING:
+            continue
+        n = draft_limit(request, max_model_len)
+        if n > len(tokens):
+            n = len(tokens)
+        previous += (request, request.spec_token_ids, request.spec_probs)
+        request.spec_token_ids = tokens[:n]
+        request.spec_probs = q[:n] if q is not None and n else None
+    journal.record(_undo_drafts, previous)
+
+
+def _undo_drafts(dirty: bool, previous: list) -> None:
+    for i in range(0, len(previous), 3):
+        request = previous[i]
+        request.spec_token_ids, request.spec_probs = previous[i + 1], previous[i + 2]

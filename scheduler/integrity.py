@@ -33,14 +33,14 @@ def check_scheduler_integrity(sched) -> None:
         held = kv.num_blocks_held(rid)
         assert held == expected, f"{rid}: holds {held} blocks, its {c} computed tokens need {expected}"
         # Invariant 5: hashed blocks hold only computed, committed tokens.
-        assert kv.req_num_cached.get(rid, 0) * bs <= min(c, r.num_tokens), f"{rid}: a hashed block holds a draft"
+        assert kv.num_cached_blocks(rid) * bs <= min(c, r.num_tokens), f"{rid}: a hashed block holds a draft"
     for r in waiting:
         rid = r.request_id
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         # Invariant 6.
         assert kv.num_blocks_held(rid) == 0, f"waiting {rid} holds blocks"
         assert r.num_computed_tokens == 0 and not r.spec_token_ids, f"waiting {rid} has computed tokens or drafts"
-    held_ids = set(kv.req_blocks)
+    held_ids = {rid for rid, rec in kv.requests.items() if rec.blocks}
     assert held_ids <= {r.request_id for r in running}, "blocks held by a request that is not running"
     kv.check_integrity()
     if not sched.requests:

@@ -79,3 +79,15 @@ class PriorityQueue:
 
 def make_queue(policy: str) -> FCFSQueue | PriorityQueue:
     return PriorityQueue() if policy == "priority" else FCFSQueue()
+
+
+def heads(waiting):
+    """The waiting queue's head, again and again, while the caller keeps admitting."""
+    while len(waiting):
+        yield waiting.peek()
+
+
+def pop_head(waiting) -> int:
+    """Take the head; its position (for ``restore``)."""
+    waiting.pop()
+    return 0

@@ -12,9 +12,12 @@ A step is a transaction (``engine.core.engine_core`` drives it):
     begin_step()  ->  add_drafts(batch)  ->  schedule()  ->  plan_update(sched, out)  ->  apply_update(plan)
                       \\______________ journaled; rollback_step(dirty) undoes _______/     commit: cannot fail
 
-``plan_update`` changes nothing (it works out what the step will commit, so that everything that
-can fail happens before anything is committed); ``apply_update`` commits. Between steps,
-``add_request`` and ``finish_request`` (abort, error) change the queues.
+``requests`` (the live ``Request`` objects) and the KV manager's block tables are
+``RequestTable``s whose records, unlike those above the scheduler, change in place (a new record
+per change in this hot loop cost too much: benches/RESULTS.md, "Figures behind decisions in the
+source"); every change to them, the queues and the pool records its inverse in the step's
+``UndoLog`` (``kv_cache.journal``). ``plan_update`` changes nothing (``scheduler.plan``);
+``apply_update`` commits. Between steps, ``add_request`` and ``finish_request`` change the queues.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from operator import attrgetter
 
 from tokenbudget.kv_cache.journal import UndoLog
 from tokenbudget.kv_cache.manager import KVCacheManager
+from tokenbudget.request_table import RequestTable
 from tokenbudget.scheduler.config import SchedulerConfig
-from tokenbudget.scheduler.drafts import DraftBatch, draft_limit
+from tokenbudget.scheduler.drafts import DraftBatch, set_drafts
 from tokenbudget.scheduler.integrity import check_scheduler_integrity
 from tokenbudget.scheduler.output import (
     EngineCoreOutput,
@@ -35,9 +39,9 @@ from tokenbudget.scheduler.output import (
     SchedulerOutput,
     scheduled_chunk,
 )
-from tokenbudget.scheduler.queues import make_queue
+from tokenbudget.scheduler.plan import plan_update
+from tokenbudget.scheduler.queues import heads, make_queue, pop_head
 from tokenbudget.scheduler.request import Request, RequestStatus
-from tokenbudget.scheduler.stop import check_stop
 from tokenbudget.scheduler.validation import validate_new_request
 
 RUNNING = RequestStatus.RUNNING
@@ -48,7 +52,7 @@ class Scheduler:
         self.config = config
         self.kv = kv_manager or KVCacheManager(config.num_blocks, config.block_size,
                                                config.max_model_len, config.enable_prefix_caching)
-        self.requests: dict[str, Request] = {}
+        self.requests: RequestTable[Request] = RequestTable("scheduler requests")
         self.waiting = make_queue(config.policy)
         # Kept sorted by policy key: the last running request is the preemption victim.
         self.running: list[Request] = []
@@ -58,7 +62,6 @@ class Scheduler:
         self._journal: UndoLog | None = None  # set while a step is open
         self.num_preemptions = 0
 
-    # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ValueError (changing nothing) on a bad one."""
         assert self._journal is None, "add_request inside a step"
@@ -66,7 +69,7 @@ class Scheduler:
         request.arrival_index = self._next_arrival
         self._next_arrival += 1
         request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
+        self.requests.set(request.request_id, request)
         self.waiting.add(request)
 
     def finish_request(self, request_id: str, status: RequestStatus,
@@ -89,10 +92,10 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self.kv.free(request)
         request.spec_token_ids, request.spec_probs = [], None
-        del self.requests[request.request_id]
+        self.requests.drop(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return len(self.requests) > 0
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -110,28 +113,8 @@ class Scheduler:
         self.kv.set_journal(self._journal)
 
     def add_drafts(self, batch: DraftBatch) -> None:
-        """Set next step's drafts (and their probabilities), each cut to ``draft_limit``."""
-        max_model_len = self.config.max_model_len
-        probs = batch.probs if batch.probs is not None else [None] * len(batch.request_ids)
-        requests = self.requests
-        previous: list = []  # request, its drafts, their probs, ...: flat (no tuple per request for the GC)
-        for rid, tokens, q in zip(batch.request_ids, batch.token_ids, probs):
-            request = requests.get(rid)
-            if request is None or request.status != RUNNING:
-                continue
-            n = draft_limit(request, max_model_len)
-            if n > len(tokens):
-                n = len(tokens)
-            previous += (request, request.spec_token_ids, request.spec_probs)
-            request.spec_token_ids = tokens[:n]
-            request.spec_probs = q[:n] if q is not None and n else None
-        self._journal.record(self._undo_drafts, previous)
-
-    @staticmethod
-    def _undo_drafts(dirty: bool, previous: list) -> None:
-        for i in range(0, len(previous), 3):
-            request = previous[i]
-            request.spec_token_ids, request.spec_probs = previous[i + 1], previous[i + 2]
+        """Set next step's drafts (and their probabilities), each cut to ``draft_limit`` (journaled)."""
+        set_drafts(self.requests.get, batch, self.config.max_model_len, self._journal)
 
     def schedule(self, only: Collection[str] | None = None, skip: Collection[str] = ()) -> SchedulerOutput:
         """This step's batch. ``only``: schedule just these request ids (fault isolation);
@@ -147,8 +130,8 @@ class Scheduler:
         journal.record(self._undo_advances, scheduled)  # filled below; one record for them all
         running = self.running
         preempted = False
-        # Hot loop: n = min(tokens with drafts - computed, budget, max_model_len room, threshold),
-        # then the body of _advance, inlined for speed (this loop runs once per running request).
+        # Hot loop (once per running request): n = min(tokens with drafts - computed, budget,
+        # max_model_len room, threshold), then the chunk, the counter advanced optimistically.
         max_model_len = cfg.max_model_len
         threshold = cfg.long_prefill_token_threshold
         allocate_slots = self.kv.allocate_slots
@@ -192,8 +175,7 @@ class Scheduler:
         return out
 
     def _undo_advances(self, dirty: bool, scheduled: list[ScheduledRequest]) -> None:
-        """Running requests scheduled this step go back to their computed counts (admitted ones
-        are undone by their own records)."""
+        """Running requests scheduled this step back to their counts (admitted ones: ``_undo_admit``)."""
         requests = self.requests
         for sr in scheduled:
             if not sr.is_new:
@@ -203,7 +185,7 @@ class Scheduler:
                        only: Collection[str] | None, skip: Collection[str]) -> int:
         cfg, kv, waiting, running = self.config, self.kv, self.waiting, self.running
         in_order = only is None and not skip  # else some are passed over: taken out of the queue by id
-        candidates = _heads(waiting) if in_order else [
+        candidates = heads(waiting) if in_order else [
             r for r in waiting if (only is None or r.request_id in only) and r.request_id not in skip]
         for request in candidates:
             if budget <= 0 or len(running) >= cfg.max_num_seqs:
@@ -223,13 +205,13 @@ class Scheduler:
                 break
             if kv.looks_up(request):
                 kv.record_prefix_lookup(request.num_tokens, num_hit)
-            position = _pop_head(waiting) if in_order else waiting.remove(request)
+            position = pop_head(waiting) if in_order else waiting.remove(request)
             self._journal.record(self._undo_admit, request, position, request.status, request.num_cached_tokens)
             request.status = RUNNING
-            request.num_computed_tokens = num_hit
             request.num_cached_tokens = num_hit
             insort(running, request, key=self._key)
-            scheduled.append(self._advance(request, n, block_ids, True))
+            request.num_computed_tokens = num_hit + n  # advanced optimistically, as in schedule()
+            scheduled.append(scheduled_chunk(request, num_hit, num_hit + n, block_ids, is_new=True))
             budget -= n
         return budget
 
@@ -238,16 +220,8 @@ class Scheduler:
         request.status, request.num_computed_tokens, request.num_cached_tokens = status, 0, num_cached
         self.waiting.restore(position, request)
 
-    @staticmethod
-    def _advance(request: Request, n: int, block_ids: list[int], is_new: bool) -> ScheduledRequest:
-        """Record the scheduled chunk and advance ``num_computed_tokens`` optimistically."""
-        start = request.num_computed_tokens
-        request.num_computed_tokens = start + n
-        return scheduled_chunk(request, start, start + n, block_ids, is_new=is_new)
-
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Recompute later: free every block, forget computed KV and drafts, back to the queue head.
-
         Journaled as one group: a rollback after a forward pass keeps the preemption (the freed
         blocks may hold that pass's KV now), any other rollback undoes it whole."""
         group = UndoLog()
@@ -286,33 +260,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step: plan and commit
     def plan_update(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """What committing the runner's output would do, one entry per scheduled request (in
-        order), changing nothing. Raises RuntimeError on a malformed runner output."""
-        sampled = output.sampled_token_ids
-        if len(sampled) != len(sched.scheduled):
-            raise RuntimeError(f"runner returned {len(sampled)} results for {len(sched.scheduled)} requests")
-        max_model_len = self.config.max_model_len
-        logprobs = output.logprobs
-        plan: list[EngineCoreOutput] = []
-        for idx, (sr, tokens) in enumerate(zip(sched.scheduled, sampled)):
-            if not tokens:
-                if sr.needs_sample:
-                    raise RuntimeError(f"{sr.request_id}: no token sampled at the end of its chunk")
-                plan.append(EngineCoreOutput(sr.request_id, []))
-                continue
-            num_drafts = len(sr.spec_token_ids)
-            num_accepted = len(tokens) - 1
-            if not sr.needs_sample or not 0 <= num_accepted <= num_drafts \
-                    or tokens[:num_accepted] != sr.spec_token_ids[:num_accepted]:
-                raise RuntimeError(f"{sr.request_id}: runner returned {tokens} for drafts {sr.spec_token_ids}")
-            n, status, reason = check_stop(self.requests[sr.request_id], tokens, max_model_len)
-            lps = logprobs[idx] if logprobs is not None else None
-            plan.append(EngineCoreOutput(sr.request_id, tokens if n == len(tokens) else tokens[:n], status,
-                                         reason, num_drafts, num_accepted, lps[:n] if lps is not None else None))
-        if output.prompt_logprobs:
-            for entry in plan:
-                entry.new_prompt_logprobs = output.prompt_logprobs.get(entry.request_id)
-        return plan
+        """What committing the runner's output would do (``scheduler.plan``); changes nothing."""
+        return plan_update(self.requests.get, self.config.max_model_len, sched, output)
 
     def apply_update(self, sched: SchedulerOutput, plan: list[EngineCoreOutput]) -> list[Request]:
         """Commit the step: append tokens, roll back rejected drafts and rewind their blocks, cache
@@ -321,10 +270,10 @@ class Scheduler:
         self._journal = None
         kv = self.kv
         lookahead = self.config.num_lookahead_tokens
-        requests = self.requests
+        request_of = self.requests.get
         finished: list[Request] = []
         for sr, entry in zip(sched.scheduled, plan):
-            request = requests[sr.request_id]
+            request = request_of(sr.request_id)
             if not sr.needs_sample:  # a partial prefill chunk
                 kv.cache_blocks(request)
                 continue
@@ -345,7 +294,6 @@ class Scheduler:
             self.running = [r for r in self.running if r.status == RUNNING]
         return finished
 
-    # ------------------------------------------------------------------ checks
     @property
     def in_step(self) -> bool:
         return self._journal is not None
@@ -354,13 +302,3 @@ class Scheduler:
         """Assert the design's invariants 3, 4, 5, 6 on the current state (tests call it every step)."""
         check_scheduler_integrity(self)
 
-
-def _heads(waiting):
-    """The waiting queue's head, again and again, while the caller keeps admitting."""
-    while len(waiting):
-        yield waiting.peek()
-
-
-def _pop_head(waiting) -> int:
-    waiting.pop()
-    return 0

@@ -32,20 +32,30 @@ Storage is plain Python lists (one ``Evidence`` per live request, ``max_k`` floa
 controller reads and writes a handful of numbers per request per step, right after a forward has
 evicted numpy's code from the caches, where one numpy call costs more than the whole update in
 lists (figures: benches/RESULTS.md, "Controller overhead").
+
+Where it lives (``tokenbudget.request_table``): per-request evidence in a ``RequestTable``
+(request id -> {kind: Evidence}), engine-wide evidence in an ``EngineRecord`` (kind ->
+``GlobalEvidence``); every record and every list in one is replaced, never changed in place, so
+the step journal undoes what a failed step wrote (rows created while choosing, decays applied).
+The draft-length controller shares one pair among the estimators of all its draft kinds; an
+estimator made alone keeps a pair of its own. The engine-wide decay counts engine steps: the
+estimator's ``clock`` (the controller's step), or ``decay_global`` calls when it has none.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
+
+from tokenbudget.request_table import EngineRecord, RequestTable
 
 
 @dataclass(slots=True)
 class Evidence:
     """One request's decayed successes and trials per position, the engine step of its last
     verify that had drafts, and how many probe intervals it waits before the next probe
-    (``spec.adaptive``'s probing reads and writes both)."""
+    (``spec.adaptive``'s probing reads and writes both). Lists replaced, never changed in place."""
 
     succ: list[float]
     trials: list[float]
@@ -53,10 +63,24 @@ class Evidence:
     probe_backoff: int = 1
 
 
+@dataclass(slots=True, frozen=True)
+class GlobalEvidence:
+    """One kind's engine-wide successes and trials per position, decayed through step ``decayed_at``."""
+
+    succ: list[float]
+    trials: list[float]
+    decayed_at: int
+
+
+_NO_ROWS: dict = {}
+
+
 class AcceptanceEstimator:
     def __init__(self, max_k: int, *, prior_alpha: float = 1.0, prior_beta: float = 1.0,
                  prior_strength: float = 2.0, decay: float = 0.95,
-                 global_decay: float = 0.99) -> None:
+                 global_decay: float = 0.99, kind: Hashable = None,
+                 evidence: RequestTable | None = None, globals_: EngineRecord | None = None,
+                 clock: Callable[[], int] | None = None) -> None:
         if max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {max_k}")
         if prior_alpha <= 0 or prior_beta <= 0:
@@ -73,46 +97,57 @@ class AcceptanceEstimator:
         self.prior_strength = float(prior_strength)
         self.decay = float(decay)
         self.global_decay = float(global_decay)
-        self._rows: dict[str, Evidence] = {}
-        # Engine-wide evidence: rebound on every change, never changed in place (snapshots hold
-        # references), except by the tests that write through the getters.
-        self._global_succ = [0.0] * self.max_k
-        self._global_trials = [0.0] * self.max_k
-        self._pending_decays = 0  # decay_global calls not yet applied (applied on the next read)
+        self.kind = kind
+        self.evidence = evidence if evidence is not None else RequestTable("acceptance evidence")
+        self.globals = globals_ if globals_ is not None else EngineRecord("acceptance", {})
+        self._clock = clock
+        self._steps = 0  # decay_global calls (no clock)
+        if kind not in self.globals.value:
+            self.globals.edit()[kind] = GlobalEvidence([0.0] * self.max_k, [0.0] * self.max_k, self._now())
 
     # ---- requests ----
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._rows
+        return self.kind in self.evidence.get(request_id, _NO_ROWS)
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return sum(1 for _ in self)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._rows)
+        kind = self.kind
+        return (rid for rid, rows in self.evidence.items() if kind in rows)
 
     def row(self, request_id: str, step: int = 0) -> Evidence:
         """The evidence of ``request_id``, created empty (at the engine-wide prior) on first use."""
-        e = self._rows.get(request_id)
+        rows = self.evidence.get(request_id)
+        e = rows.get(self.kind) if rows is not None else None
         if e is None:
-            e = self._rows[request_id] = Evidence([0.0] * self.max_k, [0.0] * self.max_k, step)
+            e = Evidence([0.0] * self.max_k, [0.0] * self.max_k, step)
+            self._set_row(request_id, e, rows)
         return e
 
     def rows(self, request_ids: Sequence[str], step: int = 0) -> list[Evidence]:
-        get = self._rows.get
-        return [get(r) or self.row(r, step) for r in request_ids]
+        return [self.row(r, step) for r in request_ids]
 
-    def snapshot(self) -> tuple:
-        """What a step's ``decay_global`` and ``rows`` change (for ``restore`` if it fails); the
-        rows themselves change only in ``observe``, after a step has committed."""
-        return self._global_succ, self._global_trials, self._pending_decays, dict(self._rows)
+    def _set_row(self, request_id: str, e: Evidence, rows: dict | None) -> None:
+        new = dict(rows) if rows else {}
+        new[self.kind] = e
+        self.evidence.set(request_id, new)
 
-    def restore(self, saved: tuple) -> None:
-        """Back to ``saved``: rows a failed step created are dropped."""
-        self._global_succ, self._global_trials, self._pending_decays, self._rows = saved
+    def set_probe_backoff(self, request_id: str, backoff: int) -> None:
+        e = self.row(request_id)
+        self._set_row(request_id, Evidence(e.succ, e.trials, e.last_drafted_step, backoff),
+                      self.evidence.get(request_id))
 
     def forget(self, request_id: str) -> None:
-        """Drop a finished/aborted request's evidence (its engine-wide share stays)."""
-        self._rows.pop(request_id, None)
+        """Drop a finished/aborted request's evidence of this kind (its engine-wide share stays)."""
+        rows = self.evidence.get(request_id)
+        if rows is None or self.kind not in rows:
+            return
+        rest = {kd: e for kd, e in rows.items() if kd != self.kind}
+        if rest:
+            self.evidence.set(request_id, rest)
+        else:
+            self.evidence.drop(request_id)
 
     # ---- estimates ----
     def global_probs(self) -> list[float]:
@@ -120,7 +155,8 @@ class AcceptanceEstimator:
         n0 = self.prior_alpha + self.prior_beta
         out = []
         prev = self.prior_alpha / n0
-        for sj, nj in zip(self.global_succ, self.global_trials):
+        g = self._global()
+        for sj, nj in zip(g.succ, g.trials):
             prev = (n0 * prev + sj) / (n0 + nj)
             out.append(prev)
         return out
@@ -130,8 +166,9 @@ class AcceptanceEstimator:
         for a probe. With little evidence (start-up, or evidence decayed while nobody drafted)
         it is well above the mean, so a probe is tried where drafts might pay; as probes add
         evidence it shrinks to the mean, so probing stops where they do not."""
-        a = self.prior_alpha + self.global_succ[0]
-        b = self.prior_beta + self.global_trials[0] - self.global_succ[0]
+        g = self._global()
+        a = self.prior_alpha + g.succ[0]
+        b = self.prior_beta + g.trials[0] - g.succ[0]
         n = a + b
         return min(1.0, a / n + math.sqrt(a * b / (n * n * (n + 1.0))))
 
@@ -143,7 +180,7 @@ class AcceptanceEstimator:
 
     def estimate(self, request_id: str) -> list[float]:
         """a_{r,j} of one request (the engine-wide prior if it has no evidence)."""
-        e = self._rows.get(request_id)
+        e = self.evidence.get(request_id, _NO_ROWS).get(self.kind)
         return self.global_probs() if e is None else self.probs([e])[0]
 
     # ---- evidence ----
@@ -158,36 +195,42 @@ class AcceptanceEstimator:
         if num_draft == 0:
             return
         e = self.row(request_id, step)
-        e.last_drafted_step = step
         tested = min(num_draft, num_accepted + 1, self.max_k)
         won = min(num_accepted, self.max_k)
         d = self.decay
-        e.succ = [x * d + (j < won) for j, x in enumerate(e.succ)]
-        e.trials = [x * d + (j < tested) for j, x in enumerate(e.trials)]
-        self._global_succ = [x + (j < won) for j, x in enumerate(self.global_succ)]
-        self._global_trials = [x + (j < tested) for j, x in enumerate(self.global_trials)]
+        self._set_row(request_id, Evidence([x * d + (j < won) for j, x in enumerate(e.succ)],
+                                           [x * d + (j < tested) for j, x in enumerate(e.trials)],
+                                           step, e.probe_backoff), self.evidence.get(request_id))
+        g = self._global()
+        self.globals.edit()[self.kind] = GlobalEvidence([x + (j < won) for j, x in enumerate(g.succ)],
+                                                        [x + (j < tested) for j, x in enumerate(g.trials)],
+                                                        g.decayed_at)
 
     def decay_global(self) -> None:
-        """Discount engine-wide evidence once per engine step (reverts to the prior when idle).
-        Counted here and applied as one factor on the next read: a step where nobody drafts (most
-        steps of open chat) then costs nothing here."""
-        self._pending_decays += 1
+        """Discount engine-wide evidence once per engine step (reverts to the prior when idle),
+        for an estimator without a ``clock``. Applied as one factor on the next read: a step where
+        nobody drafts (most steps of open chat) then costs nothing here."""
+        self._steps += 1
 
-    def _apply_decays(self) -> None:
-        if self._pending_decays and self.global_decay < 1.0:
-            f = self.global_decay ** self._pending_decays
-            self._global_succ = [x * f for x in self._global_succ]
-            self._global_trials = [x * f for x in self._global_trials]
-        self._pending_decays = 0
+    def _now(self) -> int:
+        return self._clock() if self._clock is not None else self._steps
+
+    def _global(self) -> GlobalEvidence:
+        """This kind's engine-wide evidence, decayed to the current step (a new record if it was not)."""
+        g = self.globals.value[self.kind]
+        now = self._now()
+        if now > g.decayed_at and self.global_decay < 1.0:
+            f = self.global_decay ** (now - g.decayed_at)
+            g = GlobalEvidence([x * f for x in g.succ], [x * f for x in g.trials], now)
+            self.globals.edit()[self.kind] = g
+        return g
 
     @property
     def global_succ(self) -> list[float]:
-        """Engine-wide successes per position (decayed; the list itself, writable)."""
-        self._apply_decays()
-        return self._global_succ
+        """Engine-wide successes per position (decayed; the list itself: tests write through it)."""
+        return self._global().succ
 
     @property
     def global_trials(self) -> list[float]:
-        """Engine-wide trials per position (decayed; the list itself, writable)."""
-        self._apply_decays()
-        return self._global_trials
+        """Engine-wide trials per position (decayed; the list itself: tests write through it)."""
+        return self._global().trials

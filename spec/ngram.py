@@ -29,6 +29,11 @@ compare over a padded [B, L] array (``ngram_propose_reference``'s approach) is O
 step, which at L = 2000 costs far more than the hash probes even vectorised (figures:
 benches/RESULTS.md, "n-gram index"). Memory: ~(max_n-min_n+1)·L dict entries per running
 request, freed when it finishes.
+
+The indexes are the records of ``NgramProposer.indexes`` (a ``RequestTable``), and the one kind
+of record that changes in place: an index is a cache of its request's committed tokens, which
+``sync`` brings up to date from whatever it holds (rebuilding it if the tokens diverged), so a
+rolled-back step leaves it in step with the same committed tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from typing import Literal
 
 import numpy as np
 
+from tokenbudget.request_table import RequestTable
 from tokenbudget.scheduler.drafts import draft_limit
 from tokenbudget.scheduler.request import Request
 from tokenbudget.spec.proposer import BaseProposer, Proposal
@@ -141,7 +147,8 @@ class NgramProposer(BaseProposer):
         NgramIndex(min_n, max_n, prefer)  # validates the arguments
         self.min_n, self.max_n, self.prefer = min_n, max_n, prefer
         self.max_model_len = max_model_len
-        self._index: dict[str, NgramIndex] = {}
+        self.indexes: RequestTable[NgramIndex] = RequestTable("ngram indexes")
+        self.tables = (self.indexes,)
 
     @classmethod
     def from_config(cls, spec_config, max_model_len: int) -> NgramProposer:
@@ -155,21 +162,19 @@ class NgramProposer(BaseProposer):
         kinds: list[Hashable] = []
         for req, k in zip(requests, num_tokens):
             k = draft_limit(req, self.max_model_len, k)
-            index = self._index.get(req.request_id)
+            index = self.indexes.get(req.request_id)
             if index is None:
-                index = self._index[req.request_id] = NgramIndex(self.min_n, self.max_n, self.prefer)
+                index = NgramIndex(self.min_n, self.max_n, self.prefer)
+                self.indexes.set(req.request_id, index)
             index.sync(req.all_token_ids)
             draft, n = index.match(k)
             out.append(draft)
             kinds.append(n)
         return Proposal(out, kinds=kinds)
 
-    def on_finished(self, request: Request) -> None:
-        self._index.pop(request.request_id, None)
-
     @property
     def num_tracked_requests(self) -> int:
-        return len(self._index)
+        return len(self.indexes)
 
 
 def ngram_propose_reference(tokens: Sequence[int], k: int, min_n: int, max_n: int,

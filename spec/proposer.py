@@ -11,11 +11,14 @@ Draft probabilities: drafters that sample from a distribution (draft model, self
 carry the q-distributions in ``Proposal.probs``; drafters without probabilities (n-gram, suffix)
 leave it None, and the sampler then treats q(x) = 1 for the drafted token.
 
-A step is a transaction: ``propose`` runs inside it, so a proposer whose ``propose`` changes
-state that outlives the step (beyond caches it can rebuild from the requests' tokens) makes that
-change undoable: ``rollback`` (the step failed) undoes what the last ``propose`` did, ``commit``
-(the step committed) makes it final. ``on_finished`` is called once when a request finishes or
-is aborted, after its step committed.
+A step is a transaction: ``propose`` runs inside it, so a proposer keeps its per-request state
+in ``RequestTable``s (``tokenbudget.request_table``) and lists them in ``tables``: the engine
+core journals them with every other component's, so a failed step leaves them as they were, and
+releases a finished request's records from all of them. Records are replaced, never changed in
+place, except a cache the proposer rebuilds from the request's committed tokens whatever it
+holds (the n-gram and suffix indexes), which a rolled-back step leaves in step with the same
+committed tokens. ``on_finished`` is called once when a request finishes or is aborted, after its
+step committed (suffix decoding keeps its output for later requests).
 
 Draft kinds: a drafter that knows how a draft was found labels each request's draft
 (``Proposal.kinds``: n-gram and suffix decoding, the length of the match); the
@@ -30,18 +33,21 @@ state; the draft-length controller's cost model starts from it (``engine.drafter
 instead of learning the drafter's cost from scratch while it over-drafts. Free drafters (n-gram,
 suffix) return None.
 
-Drafters that read the target's hidden states (EAGLE-3) get them in ``observe_target_states``,
-called in the commit with the committed step, its plan and the runner's ``aux_hidden_states``
-(the tap states of every row of the step, in the step's flat row order, or None); it must not
-raise (the commit cannot fail) and only keeps what the next ``propose`` needs.
+``on_commit(step)`` is called in the commit with the ``CommittedStep``: the step, its plan, the
+runner's ``aux_hidden_states`` (the tap states of every row of the step, in the step's flat row
+order, or None: EAGLE-3 keeps the rows the next ``propose`` runs) and the ``receipt`` of each of
+the step's proposals (what a drafter noted of its proposal, for after the commit: suffix
+decoding's cached sequences that drafted become most recent). It must not raise (the commit
+cannot fail).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from tokenbudget.request_table import RequestTable
 from tokenbudget.scheduler.request import Request
 
 
@@ -55,6 +61,17 @@ class Proposal:
     token_ids: list[list[int]]
     probs: list[Any] | None = None
     kinds: list[Hashable] | None = None
+    receipt: Any = None  # the drafter's own note, handed back if the step commits (``CommittedStep``)
+
+
+@dataclass(slots=True)
+class CommittedStep:
+    """What ``Proposer.on_commit`` sees of a step that committed (module doc)."""
+
+    sched: Any  # the SchedulerOutput
+    plan: Any  # the list of EngineCoreOutput
+    aux_hidden_states: Any = None
+    receipts: list = field(default_factory=list)  # of the step's proposals, in order; None left out
 
 
 @runtime_checkable
@@ -64,18 +81,17 @@ class Proposer(Protocol):
         with their probabilities and kinds where the drafter has them."""
         ...
 
+    @property
+    def tables(self) -> tuple[RequestTable, ...]:
+        """The proposer's per-request state (see the module doc)."""
+        ...
+
     def on_finished(self, request: Request) -> None:
-        """The request finished or was aborted (free its state, feed a global cache)."""
+        """The request finished or was aborted, after the release of its records (feed a global cache)."""
         ...
 
-    def observe_target_states(self, sched: Any, plan: Any, aux_hidden_states: Any) -> None:
-        """The committed step's tap states (see the module doc)."""
-        ...
-
-    def commit(self) -> None:
-        ...
-
-    def rollback(self) -> None:
+    def on_commit(self, step: CommittedStep) -> None:
+        """The step committed (see the module doc)."""
         ...
 
     def probe_cost(self, num_tokens: int) -> float | None:
@@ -85,7 +101,9 @@ class Proposer(Protocol):
 
 
 class BaseProposer:
-    """Defaults for proposers without probabilities, per-request state or undoable effects."""
+    """Defaults for proposers without per-request state, a global cache or a model to price."""
+
+    tables: tuple[RequestTable, ...] = ()
 
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> Proposal:
         raise NotImplementedError
@@ -93,13 +111,7 @@ class BaseProposer:
     def on_finished(self, request: Request) -> None:
         return None
 
-    def observe_target_states(self, sched: Any, plan: Any, aux_hidden_states: Any) -> None:
-        return None
-
-    def commit(self) -> None:
-        return None
-
-    def rollback(self) -> None:
+    def on_commit(self, step: CommittedStep) -> None:
         return None
 
     def probe_cost(self, num_tokens: int) -> float | None:

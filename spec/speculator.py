@@ -19,8 +19,11 @@ choose-then-draft with the head. The controller learns acceptance per draft kind
 drafts' kinds apart from the head's (``HEAD_KIND``), so a head that misses on copied code does
 not make the controller cut the suffix drafts that hit, nor the reverse.
 
-Transactions: ``propose`` saves the controller's state first; ``rollback`` restores it and
-rolls the proposer back; ``commit`` makes the proposer's changes final.
+Transactions: the proposer's and the controller's state lives in their ``tables`` (journaled
+by the engine core with every other component's), so a failed step needs nothing from here. What
+one attempt noted for its commit (the drafts' kinds, the drafter's work, the proposals' receipts)
+is set afresh at the start of every ``propose``. ``commit`` feeds the committed step to the
+metrics, the controller and the proposer (``Proposer.on_commit``).
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ from tokenbudget.api.spec_config import SpeculativeConfig
 from tokenbudget.scheduler.drafts import DraftBatch, draft_limit
 from tokenbudget.scheduler.output import EngineCoreOutput, SchedulerOutput
 from tokenbudget.scheduler.request import Request
-from tokenbudget.spec.cost_model import StepShape, request_attention, step_shape
 from tokenbudget.spec.metrics import SpecDecodingStats
+from tokenbudget.spec.proposer import CommittedStep, Proposal
+from tokenbudget.spec.step_shape import StepShape, request_attention, step_shape
 
 HEAD_KIND = "head"  # the controller's kind for a model drafter's drafts beside free ones (hybrid)
 
@@ -52,50 +56,57 @@ class Speculator:
         # drafts at the cap first and lets the controller choose among real drafts.
         self._free_drafter = config is not None and config.method in ("ngram", "suffix")
         self._hybrid = config is not None and config.enable_suffix_decoding
-        self._kinds: dict[str, Hashable] = {}  # this step's drafted requests: the kind of their drafts
-        self._drafter_work = (0, 0)  # this step's requests a model drafter drafted for, its draft rows
-        self._saved_controller = None
+        # This attempt's notes for its commit (set afresh by every ``propose``): the requests with
+        # drafts and their drafts' kinds, the model drafter's work (requests, draft rows), receipts.
+        self._drafted: tuple[list[str], list[Hashable]] = ([], [])
+        self._drafter_work = (0, 0)
+        self._receipts: list = []
         self.stats = SpecDecodingStats()
 
     @property
     def enabled(self) -> bool:
         return self.proposer is not None
 
+    @property
+    def tables(self) -> tuple:
+        """The proposer's and the controller's records, for the engine core's step journal."""
+        if self.proposer is None:
+            return ()
+        return tuple(self.proposer.tables) + (tuple(self.controller.tables) if self.controller is not None else ())
+
     # ---- the step
     def propose(self, scheduler, only: Collection[str] | None = None) -> DraftBatch | None:
         """Drafts for the next step's decoding requests (``only``: among these ids)."""
         if self.proposer is None:
             return None
-        if self.controller is not None:
-            self._saved_controller = self.controller.snapshot()
+        self._drafted, self._drafter_work, self._receipts = ([], []), (0, 0), []
         decoding = scheduler.decoding_requests(only)
         if not decoding or (self.controller is not None and self.controller.asleep(decoding)):
             return None
         max_model_len = scheduler.config.max_model_len
         drafted = free = kinds = None
-        self._kinds = {}
-        self._drafter_work = (0, 0)
         if self.controller is not None:
             caps = [draft_limit(r, max_model_len) for r in decoding]
             if self._free_drafter:
                 # Cheap deterministic drafters: draft first, so the controller plans with the
                 # drafts that exist (a request without a match costs nothing and gets k = 0).
-                proposal = self.proposer.propose(decoding, caps)
+                proposal = self._note(self.proposer.propose(decoding, caps))
                 drafted, kinds = proposal.token_ids, proposal.kinds
                 caps = [len(d) for d in drafted]
             elif self._hybrid:
-                free = self.proposer.free_drafts(decoding, caps)  # per request: (drafts, kind) or None
-                caps = [c if f is None else len(f[0]) for f, c in zip(free, caps)]
-                kinds = [HEAD_KIND if f is None else f[1] for f in free]
+                free = self._note(self.proposer.free_drafts(decoding, caps))  # [] where the head drafts
+                caps = [c if not f else len(f) for f, c in zip(free.token_ids, caps)]
+                kinds = [kd if f else HEAD_KIND for f, kd in zip(free.token_ids, free.kinds)]
             if self._free_drafter:
                 model_drafted = None                          # drafts that cost nothing
             elif free is not None:
-                model_drafted = [f is None for f in free]     # the head drafts where no free draft is
+                model_drafted = [not f for f in free.token_ids]  # the head drafts where no free draft is
             else:
                 model_drafted = [True] * len(decoding)
             ks = self.controller.choose(decoding, _base_shape(scheduler, decoding), caps, kinds, model_drafted)
             if kinds is not None:
-                self._kinds = {r.request_id: kd for r, k, kd in zip(decoding, ks, kinds) if k > 0}
+                self._drafted = ([r.request_id for r, k in zip(decoding, ks) if k > 0],
+                                 [kd for k, kd in zip(ks, kinds) if k > 0])
         else:
             ks = [draft_limit(r, max_model_len, self.max_k) for r in decoding]
         chosen = [(r, k) for r, k in zip(decoding, ks) if k > 0]
@@ -107,40 +118,33 @@ class Speculator:
         if free is not None:
             return self._merge_free(decoding, ks, free)
         reqs = [r for r, _ in chosen]
-        proposal = self.proposer.propose(reqs, [k for _, k in chosen])
-        self._note_drafter_work(reqs, proposal.token_ids)
+        proposal = self._note(self.proposer.propose(reqs, [k for _, k in chosen]))
+        self._drafter_work = (len(reqs), sum(map(len, proposal.token_ids)))
         return DraftBatch([r.request_id for r in reqs], proposal.token_ids, proposal.probs)
 
-    def _note_drafter_work(self, requests: list[Request], tokens: list[list[int]]) -> None:
-        """What a model drafter did this step, for the cost model: requests, and draft rows."""
-        self._drafter_work = (len(requests), sum(map(len, tokens)))
+    def _note(self, proposal: Proposal) -> Proposal:
+        """Keep the proposal's receipt for the commit (``Proposer.on_commit``)."""
+        if proposal.receipt is not None:
+            self._receipts.append(proposal.receipt)
+        return proposal
 
-    def _merge_free(self, decoding, ks, free) -> DraftBatch:
+    def _merge_free(self, decoding, ks, free: Proposal) -> DraftBatch:
         """The chosen requests' drafts: free drafts cut to k, the others drafted by the model."""
-        model = [(r, k) for r, k, f in zip(decoding, ks, free) if k > 0 and f is None]
-        proposal = self.proposer.propose([r for r, _ in model], [k for _, k in model]) if model else None
+        model = [(r, k) for r, k, f in zip(decoding, ks, free.token_ids) if k > 0 and not f]
+        proposal = self._note(self.proposer.propose([r for r, _ in model], [k for _, k in model])) if model else None
         tokens = proposal.token_ids if proposal is not None else []
-        self._note_drafter_work([r for r, _ in model], tokens)
+        self._drafter_work = (len(model), sum(map(len, tokens)))
         probs = (proposal.probs if proposal is not None else None) or [None] * len(model)
-        drafted = {r.request_id: (t, q) for (r, _), t, q in zip(model, tokens, probs)}
+        drafted = iter(zip(tokens, probs))
         ids, out, out_probs = [], [], []
-        for r, k, f in zip(decoding, ks, free):
+        for r, k, f in zip(decoding, ks, free.token_ids):
             if k <= 0:
                 continue
-            t, q = (f[0][:k], None) if f is not None else drafted[r.request_id]
+            t, q = (f[:k], None) if f else next(drafted)
             ids.append(r.request_id)
             out.append(t)
             out_probs.append(q)
         return DraftBatch(ids, out, out_probs if any(q is not None for q in out_probs) else None)
-
-    def rollback(self) -> None:
-        if self.proposer is None:
-            return
-        self.proposer.rollback()
-        self._kinds = {}
-        if self.controller is not None and self._saved_controller is not None:
-            self.controller.restore(self._saved_controller)
-        self._saved_controller = None
 
     def commit(self, plan: list[EngineCoreOutput], sched: SchedulerOutput | None = None,
                step_seconds: float | None = None, aux_hidden_states=None) -> None:
@@ -149,18 +153,15 @@ class Speculator:
         tap states of the step (``aux_hidden_states``, EAGLE-3) go to the proposer."""
         if self.proposer is None:
             return
-        if sched is not None:
-            self.proposer.observe_target_states(sched, plan, aux_hidden_states)
-        self.proposer.commit()
-        self._saved_controller = None
+        self.proposer.on_commit(CommittedStep(sched, plan, aux_hidden_states, self._receipts))
         stats, controller = self.stats, self.controller
+        kinds = dict(zip(*self._drafted))
         for entry in plan:
             if entry.new_token_ids:
                 stats.observe(entry.num_draft_tokens, entry.num_accepted_tokens)
                 if controller is not None and entry.num_draft_tokens:
                     controller.observe(entry.request_id, entry.num_draft_tokens, entry.num_accepted_tokens,
-                                       self._kinds.get(entry.request_id))
-        self._kinds = {}
+                                       kinds.get(entry.request_id))
         if controller is not None and step_seconds is not None and sched is not None:
             shape = step_shape(sched)
             if self._drafter_work[0]:
@@ -168,11 +169,9 @@ class Speculator:
             controller.observe_step(shape, step_seconds)
 
     def on_finished(self, request: Request) -> None:
-        if self.proposer is None:
-            return
-        self.proposer.on_finished(request)
-        if self.controller is not None:
-            self.controller.forget(request.request_id)
+        """After the release of the request's records (the engine core's one release path)."""
+        if self.proposer is not None:
+            self.proposer.on_finished(request)
 
 
 def _base_shape(scheduler, decoding) -> StepShape:

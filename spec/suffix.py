@@ -34,6 +34,12 @@ Arctic Inference 0.3.0 (PyPI) was considered as a fast path and rejected: it is 
 sdist only; building it needs a C++ toolchain, cmake, nanobind and ``torch>=2.10`` in the build
 environment, and the package is a vLLM plugin. ``arctic_inference.suffix_decoding`` (a nanobind
 extension plus a thin Python wrapper) is the only part that would apply here.
+
+State: each request's local index is a record of ``local`` (a ``RequestTable``; like the n-gram
+index, a cache of the committed tokens that ``sync`` keeps up to date in place). The global cache
+changes only outside a step: a finished request's output joins it (``on_finished``), and the
+cached sequences that supplied a step's drafts (the proposal's ``receipt``) become most recent
+when that step commits (``on_commit``); a failed step's drafts touch nothing.
 """
 
 from __future__ import annotations
@@ -42,9 +48,10 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tokenbudget.request_table import RequestTable
 from tokenbudget.scheduler.drafts import draft_limit
 from tokenbudget.scheduler.request import Request
-from tokenbudget.spec.proposer import BaseProposer, Proposal
+from tokenbudget.spec.proposer import BaseProposer, CommittedStep, Proposal
 
 Bigram = tuple[int, int]
 
@@ -137,13 +144,13 @@ class SuffixProposer(BaseProposer):
         self.min_token_prob = min_token_prob
         self.max_model_len = max_model_len
         self.max_candidates = max_candidates
-        self._local: dict[str, _LocalIndex] = {}
+        self.local: RequestTable[_LocalIndex] = RequestTable("suffix indexes")
+        self.tables = (self.local,)
         self._cached: OrderedDict[int, list[int]] = OrderedDict()  # LRU: oldest first
         self._global: dict[Bigram, list[tuple[int, int]]] = {}
         self._num_global_entries = 0  # entries in _global, dead ones included
         self._num_live_entries = 0
         self._next_seq_id = 0
-        self._pending_touches: list[int] = []  # cached sequences that drafted this step (LRU)
 
     @classmethod
     def from_config(cls, spec_config, max_model_len: int) -> SuffixProposer:
@@ -156,30 +163,29 @@ class SuffixProposer(BaseProposer):
         """Drafts labelled with their match length, in classes (``match_kind``; ``spec.proposer``)."""
         if len(requests) != len(num_tokens):
             raise ValueError(f"num_tokens has {len(num_tokens)} entries for {len(requests)} requests")
-        out, kinds = [], []
+        out, kinds, used = [], [], []
         for req, k in zip(requests, num_tokens):
             k = draft_limit(req, self.max_model_len, k)
-            local = self._local.get(req.request_id)
+            local = self.local.get(req.request_id)
             if local is None:
-                local = self._local[req.request_id] = _LocalIndex()
+                local = _LocalIndex()
+                self.local.set(req.request_id, local)
             local.sync(req.all_token_ids)
             d = self.speculate(local, k) if k > 0 else SuffixDraft()
             out.append(d.token_ids)
             kinds.append(match_kind(d.match_len))
-        return Proposal(out, kinds=kinds)
+            if d.source is not None:
+                used.append(d.source)
+        return Proposal(out, kinds=kinds, receipt=used or None)
 
-    def commit(self) -> None:
+    def on_commit(self, step: CommittedStep) -> None:
         """The step committed: the cached sequences that supplied its drafts become most recent."""
-        for seq_id in self._pending_touches:
-            if seq_id in self._cached:
-                self._cached.move_to_end(seq_id)
-        self._pending_touches.clear()
-
-    def rollback(self) -> None:
-        self._pending_touches.clear()
+        for used in step.receipts:
+            for seq_id in used:
+                if seq_id in self._cached:
+                    self._cached.move_to_end(seq_id)
 
     def on_finished(self, request: Request) -> None:
-        self._local.pop(request.request_id, None)
         if self.max_cached_requests != 0 and request.num_output_tokens > 0:
             tail = request.prompt_token_ids[-self.max_tree_depth:]
             self.add_cached_sequence(tail + request.output_token_ids)
@@ -243,7 +249,6 @@ class SuffixProposer(BaseProposer):
             g = self._best_draft(cands, ctx, k, ids)
             if g.score > best.score:
                 best = g
-                self._pending_touches.append(g.source)
         return best
 
     def _best_draft(self, cands: list[tuple[Sequence[int], int]], ctx: list[int], k: int,

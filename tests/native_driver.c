@@ -64,7 +64,8 @@ static Lin linear(int i) {
 static int forward(FILE *out) {
     const int64_t *hd = blob[0], t = hd[0], h = hd[1];
     const float *fl = blob[1];
-    TbLayer layer = {blob[10], blob[11], NULL, linear(13), linear(17), linear(21), linear(25)};
+    TbLayer layer = {.attn_in_norm = blob[10], .mlp_in_norm = blob[11], .cos = blob[4], .sin = blob[5],
+                     .qkv = linear(13), .o = linear(17), .gate_up = linear(21), .down = linear(25)};
     float *x = malloc(t * h * sizeof(float)), *kv = malloc(blob_len[12]);
     for (int pass = 0; pass < 2; pass++) {
         memcpy(x, blob[2], t * h * sizeof(float));
@@ -72,9 +73,13 @@ static int forward(FILE *out) {
         layer.kv = kv;
         const int64_t step = pass == 0 ? t : 1;
         for (int64_t r = 0; r < t; r += step) {
-            TbForward a = {step, h, hd[2], hd[3], hd[4], hd[5], 1, hd[6], hd[7], hd[8], fl[0], fl[1], &layer,
-                           x + r * h, (const int64_t *)blob[3] + r, blob[4], blob[5], (const int64_t *)blob[6] + r,
-                           (const int32_t *)blob[7] + r, (const int32_t *)blob[8] + r, blob[9]};
+            TbForward a = {.num_tokens = step, .hidden = h, .num_heads = hd[2], .num_kv_heads = hd[3],
+                           .head_dim = hd[4], .intermediate = hd[5], .num_layers = 1, .block_size = hd[6],
+                           .max_blocks = hd[7], .num_threads = hd[8], .rotary_dim = hd[4], .eps = fl[0],
+                           .scale = fl[1], .residual_mult = 1.0f, .layers = &layer, .x = x + r * h,
+                           .positions = (const int64_t *)blob[3] + r, .slots = (const int64_t *)blob[6] + r,
+                           .row_ctx = (const int32_t *)blob[7] + r, .row_req = (const int32_t *)blob[8] + r,
+                           .block_tables = blob[9]};
             if (tb_forward(&a)) return -1;
         }
         fwrite(x, sizeof(float), t * h, out);

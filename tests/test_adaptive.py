@@ -16,8 +16,9 @@ from tokenbudget.api.spec_config import SpeculativeConfig
 from tokenbudget.scheduler.request import Request
 from tokenbudget.spec.acceptance import AcceptanceEstimator
 from tokenbudget.spec.adaptive import AdaptiveSpecController
-from tokenbudget.spec.cost_model import StepShape, request_attention, synthetic_model
+from tokenbudget.spec.cost_model import synthetic_model
 from tokenbudget.spec.draft_lengths import optimal_draft_lengths
+from tokenbudget.spec.step_shape import StepShape, request_attention
 
 
 def _e(row, k):
@@ -288,10 +289,15 @@ def test_acceptance_is_learnt_per_draft_kind():
     assert ctrl.choose([r], kinds=[2]) == [0]
     assert ctrl.estimate("r0", 4)[0] > 0.95 and ctrl.estimate("r0", 2)[0] < 0.05
     assert set(ctrl.kinds) == {None, 2, 4} and ctrl.tracked_requests() == {"r0"}
-    saved = ctrl.snapshot()
+    before = (ctrl.step, dict(ctrl.k_histogram), ctrl.estimate("r0", 4))
+    for table in ctrl.tables:
+        table.begin()
     ctrl.choose([r], kinds=["new"])                           # a failed step's new kind goes
-    ctrl.restore(saved)
+    assert set(ctrl.kinds) == {None, 2, 4, "new"}
+    for table in ctrl.tables:
+        table.rollback()
     assert set(ctrl.kinds) == {None, 2, 4}
+    assert (ctrl.step, dict(ctrl.k_histogram), ctrl.estimate("r0", 4)) == before
     ctrl.forget("r0")
     assert not ctrl.tracked_requests()
     with pytest.raises(ValueError):

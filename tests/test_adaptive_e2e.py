@@ -59,7 +59,7 @@ def test_the_engine_teaches_the_cost_model_its_own_steps(engines) -> None:
     a non-negative fit that predicts the steps it saw to within the machine's noise."""
     import numpy as np
 
-    from tokenbudget.spec.cost_model import step_shape
+    from tokenbudget.spec.step_shape import step_shape
 
     _, auto = engines
     core = auto.engine.core

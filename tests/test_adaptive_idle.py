@@ -13,8 +13,9 @@ from controller_helpers import decoding_requests as _reqs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenbudget.spec.cost_model import StepShape, synthetic_model
+from tokenbudget.spec.cost_model import synthetic_model
 from tokenbudget.spec.draft_lengths import optimal_draft_lengths
+from tokenbudget.spec.step_shape import StepShape
 
 
 def test_rejected_probes_back_off_and_an_accepted_probe_resets():
@@ -140,7 +141,7 @@ def test_a_step_that_crosses_the_thread_team_is_priced_by_the_drop():
     TEAM_ROWS rows can cost less than one of TEAM_ROWS - 2 (benches/RESULTS.md). At B = 4 one or
     two drafts each then do not pay and four each do; the first-draft test must not stop the
     solve there, and the plan is the solver's."""
-    from tokenbudget.spec.cost_model import TEAM_ROWS
+    from tokenbudget.spec.step_shape import TEAM_ROWS
     cost = synthetic_model(step=4.0, per_logit_row=0.1, per_token_below_team=1.0)
     assert not cost.is_convex_above(4) and cost.is_convex_above(TEAM_ROWS)
     ctrl = _ctrl(cost, probe_interval=0, prior_alpha=1.0, prior_beta=1.0)

@@ -61,8 +61,7 @@ def _alone(model, config, tokens: list[int]) -> torch.Tensor:
     sr = ScheduledRequest(request_id="ref", num_computed_tokens=0, token_ids=tokens, spec_token_ids=[],
                           block_ids=list(range(-(-len(tokens) // block))), is_new=True, needs_sample=False)
     ids, pos, md, _ = runner.prepare_inputs(SchedulerOutput([sr], total_num_scheduled_tokens=len(tokens)))
-    model(ids, pos, md, runner.kv_caches)
-    return model.aux_hidden_states
+    return model(ids, pos, md, runner.kv_caches, aux_layers=TAPS)[1]
 
 
 def test_engine_steps_carry_each_rows_taps_through_chunks_verifies_and_retries(tmp_path):

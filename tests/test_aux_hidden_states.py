@@ -7,8 +7,8 @@ chosen layers, out of the forward that already runs, on every forward path.
   and a rerun of the step recomputes them;
 - the C decoder forward's taps equal the torch path's within the kernels' tolerance, for every C
   variant this CPU runs, and its output stays bitwise the same with taps on and off;
-- bad ids are refused; the default model taps on its C path. (The CUDA graph wrapper's taps:
-  tests/test_cuda_graphs.py.)
+- bad ids are refused; nothing is left on the model (the forward returns the taps); the default
+  model taps on its C path. (The CUDA graph wrapper's taps: tests/test_cuda_graphs.py.)
 """
 
 from __future__ import annotations
@@ -97,9 +97,10 @@ def test_torch_taps_are_hf_output_hidden_states_under_chunked_prefill():
                           ).aux_hidden_states is None
 
 
-def _alone(model, cfg, tokens):
+def _alone(model, cfg, tokens, taps):
     """The taps at every position of ``tokens``, one prefill alone in a fresh pool."""
     runner = _runner(model, cfg)
+    runner.set_aux_layers(taps)
     req = Request("ref", list(tokens))
     return runner.execute(SchedulerOutput([scheduled(req, 0, len(tokens), tokens, [], list(range(20)))])
                           ).aux_hidden_states
@@ -108,8 +109,8 @@ def _alone(model, cfg, tokens):
 def test_runner_rows_follow_the_steps_flat_order_for_decode_verify_and_prefill_chunk():
     cfg = tbi.CFG
     model = build_model(cfg, tbi.random_state_dict(cfg, seed=1), torch.float32, "cpu")
-    model.set_aux_layers((1, 0))
     runner = _runner(model, cfg)
+    runner.set_aux_layers((1, 0))
     a = Request("a", list(range(9)))               # decode: 8 computed, 1 scheduled
     b = Request("b", list(range(10, 16)))          # verify: 5 computed, last committed + 3 drafts
     b.spec_token_ids = [1, 2, 3]
@@ -120,9 +121,9 @@ def test_runner_rows_follow_the_steps_flat_order_for_decode_verify_and_prefill_c
     sched = SchedulerOutput([scheduled(a, 8, 1, [8], [], ta), scheduled(b, 5, 4, [15, 1, 2, 3], [1, 2, 3], tb),
                              scheduled(c, 0, 7, c.all_token_ids[:7], [], tc)], total_num_scheduled_tokens=12)
     aux = runner.execute(sched).aux_hidden_states
-    want = torch.cat([_alone(model, cfg, a.all_token_ids)[8:9],
-                      _alone(model, cfg, b.all_token_ids + [1, 2, 3])[5:9],
-                      _alone(model, cfg, c.all_token_ids[:7])])
+    want = torch.cat([_alone(model, cfg, a.all_token_ids, (1, 0))[8:9],
+                      _alone(model, cfg, b.all_token_ids + [1, 2, 3], (1, 0))[5:9],
+                      _alone(model, cfg, c.all_token_ids[:7], (1, 0))])
     assert aux.shape == (12, 2 * cfg.hidden_size)
     torch.testing.assert_close(aux, want, atol=1e-5, rtol=0)
     # a rerun of the step (after a rollback) computes its own rows; the first result is not reused
@@ -141,9 +142,13 @@ CFG64 = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hid
                     tie_word_embeddings=True)
 
 
-def _c_step(model, runner, sched):
+def _c_step(model, runner, sched, taps):
+    """The model's own forward over ``sched``: hidden, taps (None without), input ids."""
     ids, pos, md, _ = runner.prepare_inputs(sched)
-    return model(ids, pos, md, runner.kv_caches), model.aux_hidden_states, ids
+    if not taps:
+        return model(ids, pos, md, runner.kv_caches), None, ids
+    hidden, aux = model(ids, pos, md, runner.kv_caches, aux_layers=taps)
+    return hidden, aux, ids
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -161,11 +166,10 @@ def test_c_forward_taps_match_the_torch_path_and_leave_its_output_bitwise_unchan
                              scheduled(reqs[2], 128, 3, seqs[2][128:], [], tables[2])])
     results = {}
     for taps, c_path in ((None, True), (TAPS, True), (TAPS, False)):  # the torch path last
-        model.set_aux_layers(taps)
         if not c_path:
             model.cpu_forward = None
         runner = ModelRunner(model, CFG64, allocate_kv_caches(CFG64, 64, 8, torch.float32, "cpu"), 8, None)
-        results[taps, c_path] = [_c_step(model, runner, s) for s in (prefill, mixed)]
+        results[taps, c_path] = [_c_step(model, runner, s, taps) for s in (prefill, mixed)]
     for (h_off, aux_off, _), (h_on, aux_c, ids), (_, aux_torch, _) in zip(
             results[None, True], results[TAPS, True], results[TAPS, False]):
         assert aux_off is None
@@ -182,12 +186,11 @@ def test_c_forward_taps_match_the_torch_path_and_leave_its_output_bitwise_unchan
 def c_model_all_taps(c_kernels):
     """An int8 model on the C forward, and its taps of every layer over one mixed batch."""
     model = _quantized("int8", seed=9)
-    model.set_aux_layers(tuple(range(CFG64.num_hidden_layers)))
     runner = ModelRunner(model, CFG64, allocate_kv_caches(CFG64, 16, 8, torch.float32, "cpu"), 8, None)
     reqs = [Request(f"r{i}", list(range(3 + i, 3 + i + n))) for i, n in enumerate((9, 1, 4))]
     sched = SchedulerOutput([scheduled(r, 0, r.num_tokens, r.all_token_ids, [], [4 * i, 4 * i + 1])
                              for i, r in enumerate(reqs)])
-    _, aux, _ = _c_step(model, runner, sched)
+    _, aux, _ = _c_step(model, runner, sched, tuple(range(CFG64.num_hidden_layers)))
     return model, runner, sched, aux
 
 
@@ -196,29 +199,35 @@ def c_model_all_taps(c_kernels):
 def test_c_taps_are_the_named_layers_in_the_named_order(c_model_all_taps, ids):
     model, runner, sched, everything = c_model_all_taps
     h = CFG64.hidden_size
-    model.set_aux_layers(ids)
-    _, aux, _ = _c_step(model, runner, sched)
+    _, aux, _ = _c_step(model, runner, sched, tuple(ids))
     assert torch.equal(aux, torch.cat([everything[:, i * h:(i + 1) * h] for i in ids], dim=1))
 
 
 def test_bad_aux_layers_are_refused_naming_the_field():
     model = build_model(tbi.CFG, tbi.random_state_dict(tbi.CFG), torch.float32, "cpu")
+    runner = _runner(model, tbi.CFG)
     for bad in ((0, 2), (-1,), (1, 1), ("1",), (True,), (1.0,), 3):
         with pytest.raises(ValueError, match="aux_layers"):
-            model.set_aux_layers(bad)
-    assert model.aux_layers is None
-    model.set_aux_layers(torch.tensor([1, 0]))  # what a config or a tensor of ids gives
-    assert model.aux_layers == (1, 0) and all(type(i) is int for i in model.aux_layers)
-    model.set_aux_layers(())
-    assert model.aux_layers is None
+            runner.set_aux_layers(bad)
+    assert runner.aux_layers is None
+    runner.set_aux_layers(torch.tensor([1, 0]))  # what a config or a tensor of ids gives
+    assert runner.aux_layers == (1, 0) and all(type(i) is int for i in runner.aux_layers)
+    runner.set_aux_layers(())
+    assert runner.aux_layers is None
 
 
-def test_a_drafting_view_of_a_tapped_target_taps_nothing():
-    from tokenbudget.engine.drafters.draft_runner import truncated_view
+def test_taps_are_returned_not_left_on_the_model():
+    """A forward asked for taps returns them; the model keeps nothing of them (a drafting view of
+    it, or the next forward, sees no state a tapped step left behind)."""
     model = build_model(tbi.CFG, tbi.random_state_dict(tbi.CFG), torch.float32, "cpu")
-    model.set_aux_layers((1,))
-    view = truncated_view(model, 1)
-    assert view.aux_layers is None and model.aux_layers == (1,)
+    runner = _runner(model, tbi.CFG)
+    ids, pos, md, _ = runner.prepare_inputs(SchedulerOutput([scheduled(Request("r", [1, 2, 3]), 0, 3, [1, 2, 3], [],
+                                                                       [0])]))
+    before = dict(vars(model))
+    hidden, aux = model(ids, pos, md, runner.kv_caches, aux_layers=(1,))
+    assert aux.shape == (3, tbi.CFG.hidden_size)
+    assert vars(model).keys() == before.keys() and all(vars(model)[k] is v for k, v in before.items())
+    assert torch.equal(model(ids, pos, md, runner.kv_caches), hidden)
 
 
 def test_default_model_taps_on_its_c_forward(c_kernels):
@@ -235,8 +244,8 @@ def test_default_model_taps_on_its_c_forward(c_kernels):
     prompt = target.tokenizer.encode("The capital of France is")
     req = Request("p", prompt)
     sched = SchedulerOutput([scheduled(req, 0, len(prompt), prompt, [], [0, 1])])
-    model.set_aux_layers(taps)
     runner = ModelRunner(model, cfg, allocate_kv_caches(cfg, 4, 16, torch.float32, "cpu"), 16, _argmax_sampler)
+    runner.set_aux_layers(taps)
     aux = runner.execute(sched).aux_hidden_states
     model.cpu_forward = None
     want = runner.execute(sched).aux_hidden_states

@@ -26,7 +26,7 @@ def snapshot(sched):
         [r.request_id for r in sched.waiting],
         kv.num_free_blocks,
         list(kv.pool.free_queue),
-        {rid: list(ids) for rid, ids in kv.req_block_ids.items()},
+        {rid: list(rec.block_ids) for rid, rec in kv.requests.items()},
         {rid: (r.num_computed_tokens, list(r.all_token_ids), list(r.spec_token_ids), r.status)
          for rid, r in sched.requests.items()},
         sched._next_arrival,

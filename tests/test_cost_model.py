@@ -11,16 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenbudget.scheduler.output import ScheduledRequest, SchedulerOutput
-from tokenbudget.spec.cost_model import (
-    FEATURES,
-    StepCostModel,
-    StepShape,
-    default_grid,
-    nonnegative_least_squares,
-    request_attention,
-    step_shape,
-    synthetic_model,
-)
+from tokenbudget.spec.cost_model import StepCostModel, nonnegative_least_squares, synthetic_model
+from tokenbudget.spec.step_shape import FEATURES, StepShape, default_grid, request_attention, step_shape
 
 TRUE = dict(step=3e-3, per_request=2e-4, per_token=1e-5, per_logit_row=1.5e-4, per_kkey=2e-3,
             hinges=(3e-4, 1e-4))
@@ -153,18 +145,6 @@ def test_bad_input_raises():
         default_grid(0)
 
 
-def test_snapshot_restore():
-    m = synthetic_model(**TRUE)
-    s = StepShape(2, 2, 2, 0.1)
-    saved = m.snapshot()
-    before = m.cost(s)
-    m.update(s, 2 * before)
-    m.refit()
-    assert m.cost(s) != before
-    m.restore(saved)
-    assert m.cost(s) == before and m.num_updates == 0
-
-
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 64), st.integers(0, 400), st.integers(0, 80), st.floats(0.0, 50.0), st.integers(0, 300))
 def test_token_curve_is_the_cost_of_the_step_with_d_more_rows(b, tokens, logit_rows, att, n):
@@ -185,6 +165,6 @@ def test_team_rows_is_the_c_kernels_team_threshold():
     import re
     from pathlib import Path
 
-    from tokenbudget.spec.cost_model import TEAM_ROWS
+    from tokenbudget.spec.step_shape import TEAM_ROWS
     header = Path(__file__).resolve().parents[1] / "kernels" / "cpu" / "quant_gemm.h"
     assert int(re.search(r"#define TEAM_MIN_ROWS (\d+)", header.read_text()).group(1)) == TEAM_ROWS

@@ -193,23 +193,25 @@ def test_graphs_keep_the_taps_like_the_eager_forward(setup):
         for q_lens, kv_lens, seed in (([1, 1], [9, 40], 1), ([3, 1, 2], [50, 17, 90], 5), ([5, 1], [5, 30], 9)):
             qo, kv, tables, ids, pos, slots = _step(q_lens, kv_lens, seed)
             snapshot = [c.clone() for c in caches]
-            want = model(ids, pos, backend.build_metadata(qo, kv, tables, slots), [c.clone() for c in caches])
-            want_aux = model.aux_hidden_states
-            got = runner(ids, pos, backend.build_metadata(qo, kv, tables, slots), caches)
+            want, want_aux = model(ids, pos, backend.build_metadata(qo, kv, tables, slots),
+                                   [c.clone() for c in caches], aux_layers=(1, 0))
+            got, got_aux = runner(ids, pos, backend.build_metadata(qo, kv, tables, slots), caches, aux_layers=(1, 0))
             for c, s in zip(caches, snapshot):
                 c.copy_(s)
             assert want_aux.shape == (qo[-1], 2 * CFG.hidden_size)
-            assert torch.equal(got, want) and torch.equal(runner.aux_hidden_states, want_aux)
+            assert torch.equal(got, want) and torch.equal(got_aux, want_aux)
+        with pytest.raises(ValueError, match="aux_layers"):  # the graphs hold the taps they were captured with
+            runner(ids, pos, backend.build_metadata(qo, kv, tables, slots), caches)
         runner.set_aux_layers(None)
         assert runner.driver.captures == 18
         qo, kv, tables, ids, pos, slots = _step([1], [20], 2)
         snapshot = [c.clone() for c in caches]
-        runner(ids, pos, backend.build_metadata(qo, kv, tables, slots), caches)
+        out = runner(ids, pos, backend.build_metadata(qo, kv, tables, slots), caches)
         for c, s in zip(caches, snapshot):
             c.copy_(s)
-        assert runner.aux_hidden_states is None
+        assert isinstance(out, torch.Tensor)  # no taps asked, none returned
     finally:
-        model.set_aux_layers(None)  # the module's model is shared
+        runner.set_aux_layers(None)
 
 
 # ---- GPU ----------------------------------------------------------------------------------
@@ -253,12 +255,12 @@ def test_real_cuda_graphs_keep_the_taps():
     runner.set_aux_layers((1, 0))  # recaptures with the taps
     qo, kv, tables, ids, pos, slots = _step([3, 1, 2], [50, 17, 90], seed=5)
     ids, pos, slots = ids.to(dev), pos.to(dev), slots.to(dev)
-    want = model(ids, pos, backend.build_metadata(qo, kv, tables, slots), [c.clone() for c in caches])
-    want_aux = model.aux_hidden_states
-    got = runner(ids, pos, backend.build_metadata(qo, kv, tables, slots), caches)
+    want, want_aux = model(ids, pos, backend.build_metadata(qo, kv, tables, slots), [c.clone() for c in caches],
+                           aux_layers=(1, 0))
+    got, got_aux = runner(ids, pos, backend.build_metadata(qo, kv, tables, slots), caches, aux_layers=(1, 0))
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
-    assert runner.aux_hidden_states.dtype == torch.float32
-    torch.testing.assert_close(runner.aux_hidden_states, want_aux, atol=2e-2, rtol=2e-2)
+    assert got_aux.dtype == torch.float32
+    torch.testing.assert_close(got_aux, want_aux, atol=2e-2, rtol=2e-2)
 
 
 def test_logits_are_not_rounded_to_bf16():

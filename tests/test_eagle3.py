@@ -6,6 +6,7 @@ test_eagle3_loading.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -14,6 +15,7 @@ import transformers
 
 from tokenbudget.api.sampling_params import SamplingParams
 from tokenbudget.api.structured_params import StructuredOutputsParams
+from tokenbudget.engine.drafters.eagle3_kv import HeadState
 from tokenbudget.engine.entrypoints.llm import LLM
 from tokenbudget.engine.model.eagle3 import load_eagle3
 from tokenbudget.testing.faults import FaultInjectingRunner, FaultPlan
@@ -92,7 +94,7 @@ def test_head_kv_matches_a_from_scratch_reference(dirs, stress) -> None:
         proposal = inner(requests, num_tokens)
         for r, d in zip(requests, proposal.token_ids):
             if d:
-                seen.append((list(r.all_token_ids), d, proposer._state[r.request_id].last_logits.clone()))
+                seen.append((list(r.all_token_ids), d, proposer.states[r.request_id].last_logits.clone()))
         return proposal
 
     proposer.propose = recording
@@ -122,7 +124,7 @@ def test_n_greater_than_one_children_borrow_the_prompt_rows(dirs) -> None:
     def recording(requests, num_tokens):
         proposal = inner(requests, num_tokens)
         seen.extend((list(r.all_token_ids), d) for r, d in zip(requests, proposal.token_ids) if d)
-        gaps.extend(st.n != st.next_pos for st in proposer._state.values())
+        gaps.extend(st.n != st.next_pos for st in proposer.states.values())
         return proposal
 
     proposer.propose = recording
@@ -177,25 +179,25 @@ def test_failed_step_rolls_the_head_state_back(dirs, baseline) -> None:
     llm = engine(dirs["target"], eagle(dirs["head"]))
     core = llm.engine.core
     proposer = core.speculator.proposer
-    before: dict = {}
     restored = []
-    speculator = core.speculator
-    inner_propose, inner_rollback = speculator.propose, proposer.rollback
+    inner_attempt = core._attempt
+    fields = [f.name for f in dataclasses.fields(HeadState)]
 
-    def propose(*args, **kwargs):  # every attempt starts here
-        before.clear()
-        before.update({rid: st.snapshot() for rid, st in proposer._state.items()})
-        return inner_propose(*args, **kwargs)
+    def attempt(only):  # a failed attempt leaves every head state as it found it: same record, same fields
+        before = {rid: (st, [getattr(st, f) for f in fields]) for rid, st in proposer.states.items()}
+        try:
+            return inner_attempt(only)
+        except BaseException:
+            now = dict(proposer.states.items())
+            assert now.keys() == before.keys()
+            for rid, (st, values) in before.items():
+                assert now[rid] is st
+                assert all((a is b) if isinstance(a, (torch.Tensor, tuple)) else a == b
+                           for a, b in zip([getattr(st, f) for f in fields], values))
+            restored.append(len(now))
+            raise
 
-    def rollback():
-        inner_rollback()
-        now = {rid: st.snapshot() for rid, st in proposer._state.items()}
-        assert now.keys() == before.keys()
-        assert all((a is b) if isinstance(a, (torch.Tensor, tuple)) else a == b
-                   for rid in now for a, b in zip(now[rid], before[rid]))
-        restored.append(len(now))
-
-    speculator.propose, proposer.rollback = propose, rollback
+    core._attempt = attempt
     plan = FaultPlan(late=True)
     core.runner = FaultInjectingRunner(core.runner, plan)
     eng = llm.engine
@@ -275,7 +277,7 @@ def test_pending_tap_rows_are_capped(dirs, baseline, monkeypatch) -> None:
 
     def recording(requests, num_tokens):
         proposal = inner(requests, num_tokens)
-        kv_rows.extend((r.num_computed_tokens, proposer._state[r.request_id].n) for r in requests)
+        kv_rows.extend((r.num_computed_tokens, proposer.states[r.request_id].n) for r in requests)
         return proposal
 
     proposer.propose = recording
@@ -320,7 +322,7 @@ def test_suffix_decoding_where_text_repeats(dirs, k) -> None:
     assert proposer.num_suffix_drafts > 0 and proposer.num_catchup_tokens > 0
     if k != "auto":  # "auto" prices the head's draft steps (about the tiny target's step) and may skip them
         assert proposer.num_draft_forward_tokens > 0
-    assert proposer.num_tracked_requests == 0 and not proposer.suffix._local
+    assert proposer.num_tracked_requests == 0 and not proposer.suffix.local
 
 
 def test_controller_learns_each_source_apart(dirs) -> None:

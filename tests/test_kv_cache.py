@@ -20,7 +20,7 @@ class Req:
 def state(kv: KVCacheManager):
     pool = kv.pool
     return (list(pool.free_queue), [(b.ref_cnt, b.block_hash) for b in pool.blocks], dict(pool.cached),
-            {k: list(v) for k, v in kv.req_block_ids.items()}, dict(kv.req_num_cached))
+            {rid: (list(rec.block_ids), rec.num_cached) for rid, rec in kv.requests.items()})
 
 
 def compute(kv: KVCacheManager, req: Req, n: int, lookahead: int = 0) -> list[int]:
@@ -53,7 +53,7 @@ def test_allocate_returns_none_and_changes_nothing_when_short():
     before = state(kv)
     assert kv.allocate_slots(b, 9) is None  # needs 3, only 2 free
     assert state(kv) == before
-    assert "b" not in kv.req_blocks
+    assert "b" not in kv.requests
     r = Req("a", a.all_token_ids, 12)
     assert kv.allocate_slots(r, 4, num_lookahead_tokens=8) is None  # 24 tokens -> 6 blocks > 5
     assert state(kv) == before
@@ -128,15 +128,15 @@ def test_only_full_blocks_of_committed_computed_tokens_are_hashed():
     kv = KVCacheManager(num_blocks=10, block_size=4, max_model_len=64)
     r = Req("r", list(range(1, 7)))  # 6 committed tokens
     compute(kv, r, 5)
-    assert kv.req_num_cached["r"] == 1  # block 0 full and computed; block 1 partial
+    assert kv.num_cached_blocks("r") == 1  # block 0 full and computed; block 1 partial
     # Drafts computed past the committed tokens (optimistic advance) must not get hashed.
     kv.allocate_slots(r, 1 + 4)
     r.num_computed_tokens = 10
     kv.cache_blocks(r)
-    assert kv.req_num_cached["r"] == 1  # min(10 computed, 6 committed) // 4
+    assert kv.num_cached_blocks("r") == 1  # min(10 computed, 6 committed) // 4
     r.all_token_ids += [7, 8]
     kv.cache_blocks(r)
-    assert kv.req_num_cached["r"] == 2
+    assert kv.num_cached_blocks("r") == 2
     hashed = [b for b in kv.pool.blocks if b.block_hash is not None]
     assert [b.block_id for b in hashed] == kv.get_block_ids("r")[:2]
     kv.check_integrity()
@@ -243,6 +243,6 @@ def test_free_is_tail_first_and_forgets_the_request():
     ids = compute(kv, r, 7)
     kv.free(r)
     assert list(kv.pool.free_queue)[-len(ids):] == ids[::-1]
-    assert "r" not in kv.req_blocks and "r" not in kv.req_hashes and kv.get_block_ids("r") == []
+    assert "r" not in kv.requests and kv.get_block_ids("r") == []
     kv.free(r)  # freeing twice is harmless
     kv.check_integrity()

@@ -110,7 +110,7 @@ def _write_gguf(path: str, arch: str, sd: dict[str, torch.Tensor], cfg: dict, qt
     w.add_rope_freq_base(5000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre("gpt-2")
     w.add_token_list(tokens)
     w.add_token_types([1] * 256 + [3, 3, 3])
     w.add_token_merges([])

@@ -162,9 +162,13 @@ def test_neon_decoder_layer_matches_numpy_and_rows_are_invariant(driver, tmp_pat
     xs, pos_t, cos_t, sin_t, ctx_t, req_t, table_t, n0, n1, kv_t = keep
     lins = [TbLinear(int(fmt[0]), *[b.ctypes.data if b.size else 0 for b in rest])
             for fmt, *rest in map(_linear_blobs, weights)]
-    layer = (TbLayer * 1)(TbLayer(n0.data_ptr(), n1.data_ptr(), kv_t.data_ptr(), *lins))
-    args = TbForward(T, H, HQ, HK, D, I, 1, BS, NBLK, 2, EPS, D ** -0.5, layer, xs.data_ptr(), pos_t.data_ptr(),
-                     cos_t.data_ptr(), sin_t.data_ptr(), pos_t.data_ptr(), ctx_t.data_ptr(), req_t.data_ptr(),
-                     table_t.data_ptr())
+    layer = (TbLayer * 1)(TbLayer(attn_in_norm=n0.data_ptr(), mlp_in_norm=n1.data_ptr(), cos=cos_t.data_ptr(),
+                                  sin=sin_t.data_ptr(), kv=kv_t.data_ptr(), qkv=lins[0], o=lins[1], gate_up=lins[2],
+                                  down=lins[3]))
+    args = TbForward(num_tokens=T, hidden=H, num_heads=HQ, num_kv_heads=HK, head_dim=D, intermediate=I, num_layers=1,
+                     block_size=BS, max_blocks=NBLK, num_threads=2, rotary_dim=D, eps=EPS, scale=D ** -0.5,
+                     residual_mult=1.0, layers=layer, x=xs.data_ptr(), positions=pos_t.data_ptr(),
+                     slots=pos_t.data_ptr(), row_ctx=ctx_t.data_ptr(), row_req=req_t.data_ptr(),
+                     block_tables=table_t.data_ptr())
     tb_forward(args)
     assert np.array_equal(got[0], xs.numpy().ravel())

@@ -101,7 +101,8 @@ def test_incremental_across_steps_and_finish():
     assert prop.propose([r], [2]).token_ids == [[3, 4]]
     r.all_token_ids += [3, 9, 1, 2]
     assert prop.propose([r], [2]).token_ids == [[3, 9]]
-    prop.on_finished(r)
+    for table in prop.tables:  # the engine's release path
+        table.drop(r.request_id)
     assert prop.num_tracked_requests == 0
 
 

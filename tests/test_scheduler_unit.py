@@ -231,7 +231,7 @@ def test_stop_token_and_min_tokens():
                          min_tokens=first + 2))
     h.run_until_done(k=3, p_correct=0.8)
     assert h.outputs["s"] == stream[:first + 1] and h.finished["s"] == "stop"
-    assert h.scheduler.requests == {}
+    assert not h.scheduler.requests
     assert h.outputs["m"][:first + 1] == stream[:first + 1] and len(h.outputs["m"]) >= first + 2
     h.check_lossless()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from tokenbudget.scheduler.request import Request
+from tokenbudget.spec.proposer import CommittedStep
 from tokenbudget.spec.suffix import SuffixProposer
 
 
@@ -129,10 +130,11 @@ def test_lru_keeps_recently_used():
     a, b, c = ([base + i for i in range(20)] for base in (100, 200, 300))
     sp.on_finished(_req("a", [0], a))
     sp.on_finished(_req("b", [0], b))
-    assert sp.propose([_req("use_a", [1] + a[:4])], [2]).token_ids == [a[4:6]]  # touches a ...
-    sp.rollback()  # ... in a step that failed: no touch
-    assert sp.propose([_req("use_a", [1] + a[:4])], [2]).token_ids == [a[4:6]]
-    sp.commit()  # the step committed: a is the most recently used
+    assert sp.propose([_req("use_a", [1] + a[:4])], [2]).token_ids == [a[4:6]]  # uses a ...
+    # ... in a step that failed: its receipt is never handed back, no touch
+    proposal = sp.propose([_req("use_a", [1] + a[:4])], [2])
+    assert proposal.token_ids == [a[4:6]]
+    sp.on_commit(CommittedStep(None, [], None, [proposal.receipt]))  # committed: a is the most recently used
     sp.on_finished(_req("c", [0], c))  # evicts b, the least recently used
     assert sp.propose([_req("qa", [1] + a[:4])], [2]).token_ids == [a[4:6]]
     assert sp.propose([_req("qb", [1] + b[:4])], [2]).token_ids == [[]]
@@ -143,18 +145,17 @@ def test_rolled_back_touch_changes_nothing():
     a, b, c = ([base + i for i in range(20)] for base in (100, 200, 300))
     sp.on_finished(_req("a", [0], a))
     sp.on_finished(_req("b", [0], b))
-    assert sp.propose([_req("use_a", [1] + a[:4])], [2]).token_ids == [a[4:6]]
-    sp.rollback()
-    sp.on_finished(_req("c", [0], c))  # evicts a: the touch was rolled back
+    assert sp.propose([_req("use_a", [1] + a[:4])], [2]).token_ids == [a[4:6]]  # a step that failed
+    sp.on_finished(_req("c", [0], c))  # evicts a: the failed step touched nothing
     assert sp.propose([_req("qa", [1] + a[:4])], [2]).token_ids == [[]]
     assert sp.propose([_req("qb", [1] + b[:4])], [2]).token_ids == [b[4:6]]
 
 
-def test_finished_request_state_dropped():
+def test_per_request_state_is_in_the_tables():
+    """The engine's release path drops a finished request's records from every table."""
     sp = SuffixProposer(max_model_len=10_000)
     r = _req("a", [1, 2, 3, 1, 2])
     sp.propose([r], [4])
     r.all_token_ids.append(3)
     sp.propose([r], [4])
-    sp.on_finished(r)
-    assert "a" not in sp._local
+    assert "a" in sp.local and sp.local in sp.tables

@@ -14,9 +14,7 @@ from tokenbudget.engine.text.gguf_tokenizer import build_gguf_tokenizer
 from tokenbudget.engine.text.tokenizer import Tokenizer
 
 from model_helpers import hf_gguf_tokenizer, smollm2_gguf_tokenizer  # noqa: E402
-
-SAMPLES = ["Hello world! 12345", "héllo wörld — 世界 你好 🎉👍🏽", "def f(x):\n    return x**2  # ok\n",
-           "  leading and trailing spaces  ", "tabs\tand\r\nnewlines\n\n", ""]
+from tokenizer_corpus import CORPUS, SAMPLES
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -111,12 +109,6 @@ def test_smollm2_chat_template(smol: Tokenizer) -> None:
 # Unicode (accents, CJK, Hangul, emoji with a skin-tone modifier, math), whitespace runs (spaces,
 # tabs, newlines, NBSP, zero-width), digit runs and numbers, contractions, code, special tokens
 # spelled inside text, and the empty string.
-CORPUS = ["Hello world", "  leading,   inner   runs\t\ttabs\n\n\nnewlines  \n", " ", "", "a" * 200,
-          "x 2024, 3.14159, -42, 1e10, 0x1F, 1,000,000 and 007", "I'm sure we're done, they'll say, it's Bob's",
-          "naïve café — “quotes” ¿qué? Ω≈ç√∫ 日本語のテキスト 한국어 🤖👍🏽🎉",
-          "\u00a0nbsp\u200bzero width\u3000ideographic",
-          "def f(x):\n    return x**2  # ok\n\n\tif y:\r\n        pass", "MiXeD CASE and UPPER WORDS",
-          "<|im_start|>user\nhi<|im_end|>\n", "<|endoftext|>text<|im_end|><|im_start|>assistant\n<|im_start|>"]
 CHATS = [[{"role": "user", "content": "What is 2+2?"}],
          [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi  there\n\n"},
           {"role": "assistant", "content": "Hello! 👋"}, {"role": "user", "content": "Count: 1 2 3"}]]

@@ -16,9 +16,9 @@ import os
 
 # Before anything loads torch (and with it libgomp, which reads this once): OpenMP threads - torch's
 # and the C kernels', one runtime - sleep when they wait instead of spinning. On a busy machine a
-# spinning team member takes the core the working thread needs: batch-1 decode at 2 threads fell to
-# 6-15 tok/s beside other processes, 54-199 with passive waiting, 56-67 at 1 thread (benches/RESULTS.md,
-# "Threads under contention"). An OMP_WAIT_POLICY already set is kept.
+# spinning team member takes the core the working thread needs (batch-1 decode at 2 threads beside
+# other processes: benches/RESULTS.md, "Threads under contention"). An OMP_WAIT_POLICY already set
+# is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from tokenbudget.api.config import EngineConfig  # noqa: E402

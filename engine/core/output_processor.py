@@ -8,12 +8,12 @@ end, unless stop strings need it every step). CUMULATIVE outputs copy everything
 definition.
 
 Inside the step transaction (``engine.core.engine_core``): ``prepare(plan)`` runs before the
-scheduler commits. It updates each request's state (saving it first), ends requests whose text
-reached a stop string by editing the plan entry (finish "stop", the tokens cut right after the
-one that completed the string, so speculative and plain decoding commit the same tokens), and
-returns the step's outputs. ``rollback`` restores every saved state; ``commit`` drops the saves.
-Streamed text holds back a tail that could still become a stop string; a final output carries
-the complete text.
+scheduler commits. It updates each request's state (a record of the ``states`` table,
+``engine.core.request_state``: the step edits its own copy, so the table's rollback undoes it), ends
+requests whose text reached a stop string by editing the plan entry (finish "stop", the tokens
+cut right after the one that completed the string, so speculative and plain decoding commit the
+same tokens), and returns the step's outputs. Streamed text holds back a tail that could still
+become a stop string; a final output carries the complete text.
 
 Timestamps (``RequestMetrics``): arrival comes from ``add_request``, first scheduled is the start
 of the first step that ran the request (``prepare(plan, step_start)``), token times are taken when
@@ -25,80 +25,41 @@ token ids but not in its text, unless ``include_stop_str_in_output``.
 Logprobs become vLLM's ``{token_id: Logprob(logprob, rank, decoded_token)}`` dicts (the token
 decoded alone, special tokens kept); prompt logprobs arrive chunk by chunk and ride on the
 request's first output (every output for CUMULATIVE). ``n > 1``: children's outputs are gathered
-into their parent's (``engine.core.parallel_sampling``) by ``gather``, after the step commits.
+into their parent's (``engine.core.parallel_sampling``) by ``gather``, after the step commits: a
+child's link to its parent (``children``) lives until its final output was gathered, the parent
+(``parents``) until every child's was.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 from tokenbudget.api.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
 from tokenbudget.engine.core.parallel_sampling import ParentRequest
+from tokenbudget.engine.core.request_state import RequestState, add_text, text_drops_stop_token
 from tokenbudget.engine.text.detokenizer import IncrementalDetokenizer
 from tokenbudget.engine.text.tokenizer import Tokenizer
+from tokenbudget.request_table import RequestTable
 from tokenbudget.scheduler.output import EngineCoreOutput
 from tokenbudget.scheduler.request import FINISH_REASONS, Request, RequestStatus
-from tokenbudget.scheduler.stop import end_at
 
 CUMULATIVE, DELTA, FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 _DEFAULT_PARAMS = SamplingParams()
 
 
-@dataclass(slots=True, eq=False)
-class RequestState:
-    request: Request  # for the metrics the scheduler keeps (cached prompt tokens, preemptions)
-    prompt: str | None
-    params: SamplingParams
-    detok: IncrementalDetokenizer | None  # None without a tokenizer: token ids only
-    detok_each_step: bool  # False: FINAL_ONLY without stop strings decodes once, at the end
-    index: int = 0  # CompletionOutput.index (the child's number when n > 1)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float | None = None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    prompt_logprobs_sent: bool = False  # DELTA: already in an output
-    num_sent: int = 0  # tokens (and logprobs) already in a DELTA output
-    streamed_text: str = ""  # CUMULATIVE: the text shown so far
-    num_draft_steps: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-    arrival_time: float = 0.0  # time.monotonic() seconds
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-
-    def snapshot(self) -> tuple:
-        return (len(self.token_ids), len(self.logprobs) if self.logprobs is not None else 0,
-                len(self.prompt_logprobs) if self.prompt_logprobs is not None else 0, self.prompt_logprobs_sent,
-                self.cumulative_logprob, self.num_sent, self.streamed_text, self.num_draft_steps,
-                self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_pos),
-                self.first_token_time, self.last_token_time,
-                self.detok.snapshot() if self.detok is not None else None)
-
-    def restore(self, saved: tuple) -> None:
-        (n, n_lp, n_plp, self.prompt_logprobs_sent, self.cumulative_logprob, self.num_sent, self.streamed_text,
-         self.num_draft_steps, self.num_draft_tokens, self.num_accepted_tokens, self.accepted_per_pos,
-         self.first_token_time, self.last_token_time, detok) = saved
-        del self.token_ids[n:]
-        if self.logprobs is not None:
-            del self.logprobs[n_lp:]
-        if self.prompt_logprobs is not None:
-            del self.prompt_logprobs[n_plp:]
-        if detok is not None:
-            self.detok.restore(detok)
-
-
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
-        self.states: dict[str, RequestState] = {}
-        self._saved: list[tuple[RequestState, tuple]] = []  # this step's states, as they were
-        self._first_scheduled: list[RequestState] = []  # first scheduled in this step
-        self.parents: dict[str, ParentRequest] = {}
-        self._parent_of: dict[str, tuple[ParentRequest, int]] = {}  # child id -> (parent, index)
+        self.states: RequestTable[RequestState] = RequestTable("output states")
+        self.parents: RequestTable[ParentRequest] = RequestTable("parent requests")  # parent id -> parent
+        self.children: RequestTable[tuple[ParentRequest, int]] = RequestTable("child links")  # -> (parent, index)
+
+    @property
+    def tables(self) -> tuple[RequestTable, ...]:
+        """The tables of the step transaction (released with their request); the parent links
+        outlive a child's release until ``gather`` has its final output."""
+        return (self.states,)
 
     def add_request(self, request: Request, prompt: str | None = None, arrival_time: float | None = None,
                     parent: ParentRequest | None = None, index: int = 0) -> None:
@@ -110,22 +71,23 @@ class OutputProcessor:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
         state = RequestState(request, prompt, params, detok,
                              bool(params.stop) or params.output_kind != FINAL_ONLY, index,
+                             detok.snapshot() if detok is not None else None,
                              arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         if params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
-        self.states[request.request_id] = state
+        self.states.set(request.request_id, state)
         if parent is not None:
-            self.parents[parent.request_id] = parent
-            self._parent_of[request.request_id] = (parent, index)
+            self.parents.set(parent.request_id, parent)
+            self.children.set(request.request_id, (parent, index))
 
     def has(self, request_id: str) -> bool:
         return request_id in self.states
 
     def parent_id(self, request_id: str) -> str:
         """The id of the request a child belongs to (its own id for any other request)."""
-        link = self._parent_of.get(request_id)
+        link = self.children.get(request_id)
         return link[0].request_id if link is not None else request_id
 
     def child_ids(self, request_id: str) -> list[str] | None:
@@ -139,15 +101,14 @@ class OutputProcessor:
         ``step_start``: when the step began (the first-scheduled time of its new requests)."""
         outputs: list[RequestOutput] = []
         now = time.monotonic()
+        states = self.states
         for entry in plan:
-            state = self.states[entry.request_id]
-            if state.first_scheduled_time is None:
-                state.first_scheduled_time = now if step_start is None else step_start
-                self._first_scheduled.append(state)
+            rid = entry.request_id
+            if states[rid].first_scheduled_time is None:
+                states.edit(rid).first_scheduled_time = now if step_start is None else step_start
             if not entry.new_token_ids and not entry.new_prompt_logprobs:
                 continue
-            saved = state.snapshot()
-            self._saved.append((state, saved))
+            state = states.edit(rid)
             if entry.new_prompt_logprobs:
                 self._add_prompt_logprobs(state, *entry.new_prompt_logprobs)
             if not entry.new_token_ids:
@@ -156,41 +117,30 @@ class OutputProcessor:
                 state.first_token_time = now
             state.last_token_time = now
             self._add_tokens(state, entry)
-            if state.params.stop and state.detok is not None:
-                self._check_stop_strings(state, entry, saved[-1])
-            out = self._output(state, entry.finish_status, entry.stop_reason)
+            detok = None
+            if state.detok_each_step and state.detok is not None:
+                detok = add_text(state, entry)
+            out = self._output(state, entry.finish_status, entry.stop_reason, entry.new_token_ids, detok=detok)
             if out is not None:
                 outputs.append(out)
         return outputs
 
-    def rollback(self) -> None:
-        saved, self._saved = self._saved, []
-        for state, snapshot in reversed(saved):
-            state.restore(snapshot)
-        for state in self._first_scheduled:
-            state.first_scheduled_time = None
-        self._first_scheduled.clear()
-
-    def commit(self) -> None:
-        self._saved.clear()
-        self._first_scheduled.clear()
-
     def final_output(self, request: Request, error: str | None = None) -> RequestOutput | None:
-        """The last output of a request ended between steps (abort, error); drops its state."""
-        state = self.states.pop(request.request_id, None)
-        if state is None:
+        """The last output of a request ended between steps (abort, error), or None for a request
+        without output state; the state is released with the request (``states`` is a table of
+        the engine's release path)."""
+        if request.request_id not in self.states:
             return None
-        return self._output(state, request.status, None, error)
-
-    def on_finished(self, request: Request) -> None:
-        self.states.pop(request.request_id, None)
+        return self._output(self.states.edit(request.request_id), request.status, None, [], error)
 
     def drop_parent(self, request_id: str) -> None:
-        """Forget a parent whose children were not all added (``EngineCore.add_request``)."""
-        parent = self.parents.pop(request_id, None)
+        """Forget a parent and its children's links (all gathered, or not all added:
+        ``EngineCore.add_request``)."""
+        parent = self.parents.get(request_id)
         if parent is not None:
+            self.parents.drop(request_id)
             for child_id in parent.child_ids:
-                self._parent_of.pop(child_id, None)
+                self.children.drop(child_id)
 
     def gather(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Children's outputs replaced by their parents' (one per parent, after the others).
@@ -198,13 +148,15 @@ class OutputProcessor:
         result: list[RequestOutput] = []
         touched: dict[str, ParentRequest] = {}
         for out in outputs:
-            link = self._parent_of.get(out.request_id)
+            link = self.children.get(out.request_id)
             if link is None:
                 result.append(out)
                 continue
             parent, index = link
             parent.add(index, out)
             touched[parent.request_id] = parent
+            if out.finished:
+                self.children.drop(out.request_id)
         for parent in touched.values():
             merged = parent.flush()
             if merged is not None:
@@ -236,79 +188,44 @@ class OutputProcessor:
         if skip < 0:
             raise RuntimeError(f"{state.request.request_id}: prompt logprobs from token {first}, {len(have)} held")
         prompt = state.request.prompt_token_ids
-        for i, lp in enumerate(entries[skip:], first + skip):
-            have.append(self._logprob_dict(state, prompt[i], lp))
+        state.prompt_logprobs = have + [self._logprob_dict(state, prompt[i], lp)
+                                        for i, lp in enumerate(entries[skip:], first + skip)]
 
     def _add_tokens(self, state: RequestState, entry: EngineCoreOutput) -> None:
-        state.token_ids.extend(entry.new_token_ids)
+        """The step's speculation counters and logprobs (new lists: see ``RequestState``)."""
         if entry.num_draft_tokens:
             state.num_draft_steps += 1
             state.num_draft_tokens += entry.num_draft_tokens
             state.num_accepted_tokens += entry.num_accepted_tokens
-            per_pos = state.accepted_per_pos
+            per_pos = list(state.accepted_per_pos)
             if len(per_pos) < entry.num_draft_tokens:
                 per_pos.extend([0] * (entry.num_draft_tokens - len(per_pos)))
             for j in range(entry.num_accepted_tokens):
                 per_pos[j] += 1
+            state.accepted_per_pos = tuple(per_pos)
         if state.logprobs is not None and entry.new_logprobs:
+            added = []
             for token, lp in zip(entry.new_token_ids, entry.new_logprobs):
-                state.logprobs.append(self._logprob_dict(state, token, lp))
+                added.append(self._logprob_dict(state, token, lp))
                 state.cumulative_logprob += float(lp.logprob)
-        if state.detok_each_step and state.detok is not None:
-            text_ids = entry.new_token_ids
-            if _text_drops_stop_token(state, entry.finish_status, entry.stop_reason, text_ids):
-                text_ids = text_ids[:-1]
-            state.detok.add_tokens(text_ids)
+            state.logprobs = state.logprobs + added
 
-    @staticmethod
-    def _check_stop_strings(state: RequestState, entry: EngineCoreOutput, detok_before: tuple) -> None:
-        """End the request at the first stop string, keeping only the tokens up to the one that
-        completed it (found by replaying this step's tokens one at a time from ``detok_before``).
-
-        As vLLM (its #21987): stop strings count only once the output is longer than
-        ``min_tokens``; the text of the first ``min_tokens`` outputs is never searched (a stop
-        string may still start in it and end after it)."""
-        params, detok = state.params, state.detok
-        stop, include = params.stop, params.include_stop_str_in_output
-        new = entry.new_token_ids
-        num_before = len(state.token_ids) - len(new)
-        if num_before + len(new) <= params.min_tokens:
-            detok.check_stop((), include)  # marks this text as searched
-            return
-        if num_before >= params.min_tokens:
-            matched, _ = detok.check_stop(stop, include)
-            if matched is None:
-                return
-        keep = len(new)
-        if keep > 1 or num_before < params.min_tokens:
-            detok.restore(detok_before)
-            matched = None
-            for keep in range(1, len(new) + 1):
-                detok.add_tokens(new[keep - 1:keep])
-                matched, _ = detok.check_stop(stop if num_before + keep > params.min_tokens else (), include)
-                if matched is not None:
-                    break
-            if matched is None:
-                return
-            drop = len(new) - keep
-            if drop:
-                del state.token_ids[len(state.token_ids) - drop:]
-                if state.logprobs is not None and entry.new_logprobs:
-                    for lp in entry.new_logprobs[keep:]:
-                        state.cumulative_logprob -= float(lp.logprob)
-                    del state.logprobs[len(state.logprobs) - drop:]
-        end_at(entry, keep, RequestStatus.FINISHED_STOPPED, matched)
-
-    def _output(self, state: RequestState, status: RequestStatus | None, stop_reason,
-                error: str | None = None) -> RequestOutput | None:
+    def _output(self, state: RequestState, status: RequestStatus | None, stop_reason, new_ids: list[int],
+                error: str | None = None, detok: IncrementalDetokenizer | None = None) -> RequestOutput | None:
+        """The request's output after this step's ``new_ids`` (not committed yet: the scheduler
+        commits after ``prepare``). ``detok``: the detokenizer already brought to this step's text."""
         finished = status is not None
         kind = state.params.output_kind
         if not finished and kind == FINAL_ONLY:
             return None
-        detok = state.detok
-        if finished and detok is not None and not state.detok_each_step:
-            drop = _text_drops_stop_token(state, status, stop_reason, state.token_ids)
-            detok.add_tokens(state.token_ids[:-1] if drop else state.token_ids)
+        request = state.request
+        num_before = request.num_output_tokens
+        if detok is None and state.detok is not None:
+            detok = state.detokenizer()
+            if finished and not state.detok_each_step:  # FINAL_ONLY without stop strings: decoded once, now
+                tokens = request.output_token_ids + list(new_ids)
+                drop = text_drops_stop_token(state, status, stop_reason, tokens[-1] if tokens else None)
+                detok.add_tokens(tokens[:-1] if drop else tokens)
         text = ""
         if detok is not None:
             delta = detok.stream_delta(finished=finished, stop=state.params.stop)
@@ -319,14 +236,13 @@ class OutputProcessor:
             else:
                 state.streamed_text += delta
                 text = state.streamed_text
+            state.keep_text()
         if kind == DELTA:
-            token_ids = state.token_ids[state.num_sent:]
-            logprobs = state.logprobs[state.num_sent:] if state.logprobs is not None else None
-            state.num_sent = len(state.token_ids)
+            token_ids = list(new_ids)
+            logprobs = state.logprobs[num_before:] if state.logprobs is not None else None
         else:
-            token_ids = list(state.token_ids)
+            token_ids = request.output_token_ids + list(new_ids)
             logprobs = list(state.logprobs) if state.logprobs is not None else None
-        request = state.request
         finish_reason = FINISH_REASONS.get(status) if finished else None
         completion = CompletionOutput(index=state.index, text=text, token_ids=token_ids,
                                       cumulative_logprob=state.cumulative_logprob, logprobs=logprobs,
@@ -341,22 +257,10 @@ class OutputProcessor:
             num_prompt_tokens=len(request.prompt_token_ids), num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions, num_draft_steps=state.num_draft_steps,
             num_draft_tokens=state.num_draft_tokens, num_accepted_tokens=state.num_accepted_tokens,
-            accepted_per_position=list(state.accepted_per_pos), num_output_tokens=len(state.token_ids),
+            accepted_per_position=list(state.accepted_per_pos), num_output_tokens=num_before + len(new_ids),
             arrival_time=state.arrival_time, first_scheduled_time=state.first_scheduled_time,
             first_token_time=state.first_token_time, last_token_time=state.last_token_time,
             finished_time=time.monotonic() if finished else None)
         return RequestOutput(request_id=request.request_id, prompt=state.prompt,
                              prompt_token_ids=request.prompt_token_ids, prompt_logprobs=prompt_logprobs,
                              outputs=[completion], finished=finished, metrics=metrics, error=error)
-
-
-def _text_drops_stop_token(state: RequestState, status: RequestStatus | None, stop_reason,
-                           token_ids: list[int]) -> bool:
-    """vLLM: the EOS / stop token that ended a request is not part of its text (unless
-    ``include_stop_str_in_output``); a stop string is handled by the detokenizer. Only those
-    tokens: a request stopped by its grammar ending (``engine.structured``) keeps its last token."""
-    if (status != RequestStatus.FINISHED_STOPPED or isinstance(stop_reason, str) or not token_ids
-            or state.params.include_stop_str_in_output):
-        return False
-    last = token_ids[-1]
-    return last == stop_reason if stop_reason is not None else last == state.request.eos_token_id

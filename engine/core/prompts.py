@@ -55,11 +55,13 @@ def _encode(text: str, tokenizer: Tokenizer) -> list[int]:
 
 
 def tokenize_prompt(prompt: PromptInput, tokenizer: Tokenizer | None, vocab_size: int) -> tuple[str | None, list[int]]:
-    """``str`` -> encoded; token ids -> checked; ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``."""
+    """``str`` -> encoded; token ids -> checked; ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``
+    (with both, as ``Tokenizer.chat_prompt`` makes: the ids, and the text kept for the output)."""
     if isinstance(prompt, dict):
         if prompt.get("prompt_token_ids") is not None:
-            prompt = prompt["prompt_token_ids"]
-        elif "prompt" in prompt:
+            text = prompt.get("prompt")
+            return text if isinstance(text, str) else None, _token_ids(prompt["prompt_token_ids"], vocab_size)
+        if "prompt" in prompt:
             prompt = prompt["prompt"]
         else:
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")

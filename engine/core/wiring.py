@@ -15,6 +15,7 @@ from tokenbudget.api.config import EngineConfig
 from tokenbudget.api.spec_config import SpeculativeConfig
 from tokenbudget.engine.core.engine_core import EngineCore
 from tokenbudget.engine.core.output_processor import OutputProcessor
+from tokenbudget.engine.drafters.factory import build_speculator
 from tokenbudget.engine.loader.target import TargetModel, load_target_model
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.model.cpu_forward import kernels_summary
@@ -98,7 +99,7 @@ def wire_engine(config: EngineConfig, target: TargetModel, spec_config: Speculat
         runner.attn_backend.align_tiles(1 + spec_config.max_spec_tokens)
     if config.cuda_graphs:
         _wrap_in_cuda_graphs(runner, kv_caches, spec_config, max_model_len, config)
-    speculator = _build_speculator(spec_config, target, scheduler, runner) if spec_config else Speculator()
+    speculator = build_speculator(spec_config, target, scheduler, runner) if spec_config else Speculator()
     core = EngineCore(scheduler, runner, speculator, OutputProcessor(target.tokenizer), structured=structured)
     gc.collect()
     gc.freeze()  # start-up objects (weights' Python wrappers, tokenizer) leave the GC's scans
@@ -139,15 +140,3 @@ def _wrap_in_cuda_graphs(runner: ModelRunner, kv_caches, spec_config, max_model_
         max_model_len=max_model_len, block_size=config.block_size)
     graphs.capture()
     runner.model = graphs
-
-
-def _build_speculator(spec_config: SpeculativeConfig, target: TargetModel, scheduler: Scheduler,
-                      runner: ModelRunner) -> Speculator:
-    from tokenbudget.engine.drafters.factory import build_controller, build_proposer
-    proposer = build_proposer(spec_config, scheduler.config.max_model_len, target=target, scheduler=scheduler,
-                              runner=runner)
-    cost_model = None
-    if spec_config.is_adaptive:
-        from tokenbudget.engine.drafters.step_cost import measure_runner_costs
-        cost_model = measure_runner_costs(runner, scheduler.config, drafter=proposer)
-    return Speculator(spec_config, proposer, build_controller(spec_config, cost_model))

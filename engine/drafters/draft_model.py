@@ -29,21 +29,15 @@ When the drafter's KV is thrown away (``num_draft_computed = 0``):
 
 Sampling: ``engine.drafters.draft_sampling`` (shared with the EAGLE-3 drafter).
 
-Transactions: ``propose`` records the drafter state of every request it touches; ``rollback``
-puts those records back (the drafter KV they describe was not overwritten: a step only writes
-positions at or past them), ``commit`` drops them.
-
-Measured (self_draft on SmolLM2-135M-Instruct Q4_1, 30 layers, greedy, k = 4, 5 chat prompts,
-max_tokens 64, 187 tokens; outputs identical to plain decoding in every row):
-
-    draft_num_layers   4      8      15     22     27     30
-    alpha              0.004  0.006  0.025  0.078  0.287  1.000
-    tau                1.02   1.02   1.10   1.30   2.14   4.89
+Transactions: the drafter state of each request is a record of ``states`` (a ``RequestTable``),
+edited in this step's own copy, so a failed step leaves the records as they were (and the drafter
+KV they describe was not overwritten: a step only writes positions at or past them).
 
 The first N layers + final norm + lm head of an untrained model ("logit lens") predict the
-next token poorly until N is close to L; self-drafting pays off only with a model trained for
-early exit (LayerSkip) or with an adapter. N = L accepting everything is the check that the
-drafter's KV bookkeeping is exact.
+next token poorly until N is close to L (acceptance by N: benches/RESULTS.md, "Figures behind
+decisions in the source"); self-drafting pays off only with a model trained for early exit
+(LayerSkip) or with an adapter. N = L accepting everything is the check that the drafter's KV
+bookkeeping is exact.
 """
 
 from __future__ import annotations
@@ -57,6 +51,7 @@ import torch
 
 from tokenbudget.engine.drafters.draft_runner import DraftRunner
 from tokenbudget.engine.drafters.draft_sampling import sample_drafts, wants_probs
+from tokenbudget.request_table import RequestTable
 from tokenbudget.scheduler.drafts import draft_limit
 from tokenbudget.scheduler.request import Request
 from tokenbudget.spec.proposer import BaseProposer, Proposal
@@ -66,6 +61,9 @@ from tokenbudget.spec.proposer import BaseProposer, Proposal
 class _DraftState:
     num_computed: int = 0          # drafter KV valid for positions [0, num_computed) (pre-clamp)
     num_preemptions: int = 0
+
+    def __copy__(self) -> _DraftState:
+        return _DraftState(self.num_computed, self.num_preemptions)
 
 
 class DraftModelProposer(BaseProposer):
@@ -79,8 +77,8 @@ class DraftModelProposer(BaseProposer):
         self.kv = kv_manager
         self.max_model_len = max_model_len
         self.max_batch_tokens = max_batch_tokens
-        self._state: dict[str, _DraftState] = {}
-        self._undo: dict[str, tuple[int, int] | None] = {}  # this step's touched states, as they were
+        self.states: RequestTable[_DraftState] = RequestTable("draft model state")
+        self.tables = (self.states,)
         # Counters (for tests and benchmarks): tokens the drafter ran, split by kind.
         self.num_catchup_tokens = 0
         self.num_draft_forward_tokens = 0
@@ -129,7 +127,7 @@ class DraftModelProposer(BaseProposer):
                 self.num_draft_forward_tokens += len(rows)
                 sample_drafts(self.runner.forward(chunks), requests, rows, drafts, probs)
             for i in active:
-                self._state[requests[i].request_id].num_computed = requests[i].num_tokens + ks[i] - 1
+                self.states.edit(requests[i].request_id).num_computed = requests[i].num_tokens + ks[i] - 1
         return Proposal(drafts, [torch.stack(p) if p else None for p in probs])
 
     def probe_cost(self, num_tokens: int) -> float:
@@ -146,32 +144,17 @@ class DraftModelProposer(BaseProposer):
                 runner.forward([runner.chunk(probe, pos, [0], blocks, True)]).argmax(dim=-1).tolist()
         return time.perf_counter() - start
 
-    def on_finished(self, request: Request) -> None:
-        self._state.pop(request.request_id, None)
-
-    def commit(self) -> None:
-        self._undo.clear()
-
-    def rollback(self) -> None:
-        for rid, saved in self._undo.items():
-            if saved is None:
-                self._state.pop(rid, None)
-            else:
-                self._state[rid] = _DraftState(*saved)
-        self._undo.clear()
-
     @property
     def num_tracked_requests(self) -> int:
-        return len(self._state)
+        return len(self.states)
 
     # ---- internals ----
     def _state_of(self, request: Request) -> _DraftState:
+        """The request's drafter state, this step's own copy (created on first sight)."""
         rid = request.request_id
-        st = self._state.get(rid)
-        if rid not in self._undo:
-            self._undo[rid] = None if st is None else (st.num_computed, st.num_preemptions)
-        if st is None:
-            st = self._state[rid] = _DraftState(num_preemptions=request.num_preemptions)
+        if rid not in self.states:
+            self.states.set(rid, _DraftState(num_preemptions=request.num_preemptions))
+        st = self.states.edit(rid)
         if st.num_preemptions != request.num_preemptions:  # recomputed into new blocks
             st.num_preemptions = request.num_preemptions
             st.num_computed = 0

@@ -43,7 +43,6 @@ def truncated_view(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
     wrapped = isinstance(model, CpuForwardModel)  # a C forward is built for the layers it runs
     view = copy.copy(model.model if wrapped else model)  # new __dict__, same tensors / Linear objects
     view.layers = list(layers[:num_layers])
-    view.aux_layers, view.aux_hidden_states = None, None  # the target's taps are not the view's
     return CpuForwardModel.around(view) if wrapped else view
 
 

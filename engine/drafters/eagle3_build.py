@@ -16,8 +16,8 @@ C kernels where they run), and its forward is one C call where the C kernels run
 (``Eagle3CpuForward``); fp32 and the torch forward otherwise.
 
 The target's tap layers are switched on here, on the engine's runner (``ModelRunner.
-set_aux_layers``: its steps then return ``aux_hidden_states``; the CUDA graph wrapper refuses,
-naming ``cuda_graphs``).
+set_aux_layers``: its steps then return ``aux_hidden_states``; a CUDA graph wrapper recaptures
+its graphs with them).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ head's K/V over the positions it ran (rows ``[0, n)`` of one buffer ``[2, capaci
 then V, the layout the C forward's attention reads; it grows by doubling; rows past ``n`` are
 scratch, the draft steps' K/V), ``next_pos``, the tap rows queued for it, the last run
 row's output. Rows below ``n`` are never written again and every other field is replaced, never
-mutated, so a snapshot (``snapshot``) is a tuple of references and ``n``: the step transaction's
-undo record.
+mutated, so a copy (``__copy__``: the same references) is the step transaction's undo record:
+the states are records of the drafter's ``RequestTable``, and a step changes its own copy.
 
 ``segment_attend`` is the ``attend`` of one head forward over several requests' rows: each
 request's new K/V are written into its buffer and its rows attend to its own rows below them.
@@ -45,12 +45,12 @@ class HeadState:
     def v(self) -> torch.Tensor:
         return self.kv[1]
 
-    def snapshot(self) -> tuple:
-        return (self.kv, self.n, self.next_pos, self.pending, self.pending_rows, self.last_pos, self.last_h,
-                self.last_logits, self.last_greedy, self.tokens)
+    def __copy__(self) -> HeadState:
+        return HeadState(self.kv, self.n, self.next_pos, self.pending, self.pending_rows, self.last_pos, self.last_h,
+                         self.last_logits, self.last_greedy, self.tokens)
 
     def reserve(self, rows: int) -> None:
-        """Room for ``rows`` rows past ``n`` (a new buffer when full: a snapshot keeps the old one)."""
+        """Room for ``rows`` rows past ``n`` (a new buffer when full: a saved copy keeps the old one)."""
         need = self.n + rows
         if need > self.kv.shape[1]:
             cap = max(need, 2 * self.kv.shape[1], 64)
@@ -70,6 +70,54 @@ class HeadState:
             start, rows = self.pending[-1]
             return start + rows.shape[0]
         return self.next_pos
+
+    def queue(self, start: int, rows: torch.Tensor, max_rows: int) -> None:
+        """Queue the tap rows of positions ``start ..`` (a committed step's), skipping the ones
+        already queued or run (a recompute after preemption brings the same rows) and dropping
+        the oldest past ``max_rows`` (a long stretch without drafting: a gap, like a cache hit)."""
+        skip = max(0, self.covered - start)
+        if skip >= rows.shape[0]:
+            return
+        pending = self.pending + ((start + skip, rows[skip:]),)
+        total = self.pending_rows + rows.shape[0] - skip
+        excess = total - max_rows
+        while excess > 0:
+            first, piece = pending[0]
+            cut = min(excess, piece.shape[0])
+            pending = ((first + cut, piece[cut:]),) + pending[1:] if cut < piece.shape[0] else pending[1:]
+            excess -= cut
+            total -= cut
+        self.pending, self.pending_rows = pending, total
+
+
+def catch_up_rounds(states: dict[int, HeadState], max_rows: int):
+    """The queued tap rows of ``states`` (request index -> state, taken off their queues) in rounds
+    of at most ``max_rows`` rows, one piece ``(index, start, rows)`` per request in a round (a
+    piece sees its request's K/V from earlier rounds, so a request's pieces never share one)."""
+    runs: list[list] = []   # [i, start, end, pieces]: contiguous pieces, concatenated once
+    for i, st in states.items():
+        for start, rows in st.pending:
+            if runs and runs[-1][0] == i and runs[-1][2] == start:
+                runs[-1][2] += rows.shape[0]
+                runs[-1][3].append(rows)
+            else:
+                runs.append([i, start, start + rows.shape[0], [rows]])
+        st.pending, st.pending_rows = (), 0
+    queue = [(i, start, pieces[0] if len(pieces) == 1 else torch.cat(pieces)) for i, start, _, pieces in runs]
+    while queue:
+        budget, round_, later, taken = max_rows, [], [], set()
+        for i, start, rows in queue:
+            if budget <= 0 or i in taken:
+                later.append((i, start, rows))
+                continue
+            n = min(rows.shape[0], budget)
+            round_.append((i, start, rows[:n]))
+            taken.add(i)
+            budget -= n
+            if n < rows.shape[0]:
+                later.append((i, start + n, rows[n:]))
+        queue = later
+        yield round_
 
 
 def segment_attend(segments, last_only: bool = False):
@@ -98,8 +146,9 @@ SMALL_QUERY = 64  # rows up to which attention is two small matmuls rather than 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: int) -> torch.Tensor:
     """``q [n, heads, D]`` (positions ``at .. at + n - 1``) over ``k, v [at + n, kv_heads, D]``,
     causal. Few query rows (every draft step, a verify's catch-up) go through two batched matmuls
-    per KV head group: SDPA's CPU kernel costs milliseconds of thread start-up for one query row
-    (measured 2.6 ms vs 0.07 ms at 400 keys, 2 threads), more than the head's whole layer."""
+    per KV head group: SDPA's CPU kernel costs milliseconds of thread start-up for one query row,
+    more than the head's whole layer (benches/RESULTS.md, "Figures behind decisions in the
+    source")."""
     n, heads, d = q.shape
     kv_heads = k.shape[1]
     if n > SMALL_QUERY:

@@ -18,7 +18,7 @@ a buffer that grows by doubling; rows past ``n`` are scratch: the draft steps' K
 when nothing new came). Rows below ``n`` are never written again and every other field is
 replaced, never mutated, so a snapshot is a tuple of references and ``n``.
 
-Where tap states come from: ``observe_target_states`` (the commit) slices the runner's
+Where tap states come from: ``on_commit`` (the commit) slices the runner's
 ``aux_hidden_states`` per request and queues the valid rows; ``propose`` runs them. Positions the
 target did not compute have no tap states, and the head's attention simply skips them:
 * a prefix-cache hit (and the children 1..n-1 of an ``n > 1`` request, whose prompt comes from
@@ -36,9 +36,10 @@ layer, the lm head and the greedy draft); otherwise the head's torch forward. Bo
 K/V rows and give the same outputs up to float rounding; ``probe_cost`` times them for the
 controller's start-up prior.
 
-Transactions: ``propose`` records the state of every request it touches; ``rollback`` puts those
-records back, ``commit`` drops them. ``observe_target_states`` runs in the commit (slicing only,
-no model code). ``on_finished`` (the engine's one release path) drops the request's state.
+Transactions: the states are records of ``states`` (a ``RequestTable``, with the suffix
+proposer's tables in ``tables``): ``propose`` changes this step's own copy of each, so a failed
+step leaves them as they were, and the engine's one release path drops a finished request's.
+``on_commit`` runs in the commit (slicing only, no model code).
 
 With suffix decoding (``enable_suffix_decoding``): each request first gets the suffix proposer's
 draft; one of at least ``SUFFIX_MIN_DRAFT`` tokens (or the whole k) means the text repeats
@@ -46,11 +47,7 @@ draft; one of at least ``SUFFIX_MIN_DRAFT`` tokens (or the whole k) means the te
 probabilities (the coupled rule verifies it). The head still catches up on every committed
 position, so it drafts the next step where the repetition stops.
 
-Logits: the head's draft-vocabulary logits are scattered into the target vocabulary through
-``d2t``; ids outside the draft vocabulary get ``OUTSIDE`` (finite, so a row the request's bans
-leave with only non-draft ids still has a token and is never taken for a request fault). Then the
-shared model-drafter sampling (``engine.drafters.draft_sampling``): q for rejection sampling is the
-head's own distribution.
+Sampling the head's drafts: ``engine.drafters.eagle3_sampling``.
 """
 
 from __future__ import annotations
@@ -60,15 +57,16 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from tokenbudget.engine.drafters.draft_sampling import sample_drafts, wants_probs
-from tokenbudget.engine.drafters.eagle3_kv import HeadState, segment_attend
+from tokenbudget.engine.drafters.draft_sampling import wants_probs
+from tokenbudget.engine.drafters.eagle3_kv import HeadState, catch_up_rounds, segment_attend
+from tokenbudget.engine.drafters.eagle3_sampling import HeadSampler
 from tokenbudget.engine.model.eagle3 import Eagle3Head
 from tokenbudget.engine.worker.threads import intra_op_threads
+from tokenbudget.request_table import RequestTable
 from tokenbudget.scheduler.drafts import draft_limit
 from tokenbudget.scheduler.request import Request
-from tokenbudget.spec.proposer import BaseProposer, Proposal
+from tokenbudget.spec.proposer import BaseProposer, CommittedStep, Proposal
 
-OUTSIDE = -1e30  # logit of a target id outside the draft vocabulary
 # Committed tap rows kept per request before the oldest are dropped (a gap, like a cache hit). A
 # prompt's rows wait one step; only a request the controller keeps at k = 0 for long queues more
 # (4096 rows x 3 x hidden, in the head's dtype: 28 MB for the default model).
@@ -91,12 +89,11 @@ class Eagle3Proposer(BaseProposer):
         self.cpu_forward = cpu_forward
         self.max_model_len = max_model_len
         self.max_batch_tokens = max_batch_tokens
-        c = head.config
         w = head.fc.weight
         self.dtype, self.device = w.dtype, w.device
-        self._target_ids = head.to_target_ids(torch.arange(c.draft_vocab_size, device=self.device))
-        self._state: dict[str, HeadState] = {}
-        self._undo: dict[str, tuple | None] = {}
+        self._sampler = HeadSampler(head, self.device)
+        self.states: RequestTable[HeadState] = RequestTable("eagle3 head state")
+        self.tables = (self.states,) + (tuple(suffix.tables) if suffix is not None else ())
         self._threads = torch.get_num_threads()  # the engine's intra-op threads (propose runs on fewer)
         # Counters (tests, benchmarks): head rows run over target states / from its own outputs.
         self.num_catchup_tokens = 0
@@ -105,33 +102,22 @@ class Eagle3Proposer(BaseProposer):
         self.num_borrowed_rows = 0  # head K/V rows copied from a request with the same prefix
 
     # ---- the step's end: tap states of the committed step ----
-    def observe_target_states(self, sched, plan, aux_hidden_states) -> None:
-        aux = aux_hidden_states
-        if aux is None or aux.shape[0] != sum(len(sr.token_ids) for sr in sched.scheduled):
+    def on_commit(self, step: CommittedStep) -> None:
+        if self.suffix is not None:
+            self.suffix.on_commit(step)
+        sched, aux = step.sched, step.aux_hidden_states
+        if sched is None or aux is None or aux.shape[0] != sum(len(sr.token_ids) for sr in sched.scheduled):
             return  # no tap states (a runner without taps): the head skips these positions
         off = 0
-        for sr, entry in zip(sched.scheduled, plan):
+        for sr, entry in zip(sched.scheduled, step.plan):
             m = len(sr.token_ids)  # the committed tokens of the chunk, then the drafts
             valid = m - len(sr.spec_token_ids) + entry.num_accepted_tokens
             rows, start, off = aux[off:off + valid], sr.num_computed_tokens, off + m
             if rows.dtype != self.dtype:
                 rows = rows.to(self.dtype)
-            st = self._state.get(sr.request_id)
-            if st is None:
-                st = self._state[sr.request_id] = self._new_state()
-            skip = max(0, st.covered - start)  # a recompute after preemption: those rows are queued or run
-            if skip >= valid:
-                continue
-            pending = st.pending + ((start + skip, rows[skip:]),)
-            total = st.pending_rows + valid - skip
-            excess = total - MAX_PENDING_ROWS  # a long stretch without drafting
-            while excess > 0:
-                first, rows = pending[0]
-                cut = min(excess, rows.shape[0])
-                pending = ((first + cut, rows[cut:]),) + pending[1:] if cut < rows.shape[0] else pending[1:]
-                excess -= cut
-                total -= cut
-            st.pending, st.pending_rows = pending, total
+            if sr.request_id not in self.states:
+                self.states.set(sr.request_id, self._new_state())
+            self.states.edit(sr.request_id).queue(start, rows, MAX_PENDING_ROWS)
 
     # ---- Proposer interface ----
     @torch.inference_mode()
@@ -151,17 +137,20 @@ class Eagle3Proposer(BaseProposer):
         active = [i for i, k in enumerate(ks) if k > 0]
         states = {i: self._state_of(requests[i]) for i in active}
         self._catch_up(requests, states)
+        receipt = None
         if self.suffix is not None and active:
-            for i, f in zip(list(active), self.free_drafts([requests[i] for i in active], [ks[i] for i in active])):
-                if f is not None:
-                    drafts[i], probs[i] = f[0], None
+            free = self.free_drafts([requests[i] for i in active], [ks[i] for i in active])
+            receipt = free.receipt
+            for i, f in zip(list(active), free.token_ids):
+                if f:
+                    drafts[i], probs[i] = f, None
                     active.remove(i)
         # Draft 1 from the row at L - 2 (a request whose last committed position has no tap
         # state gets no drafts this step: never wrong, and rare).
         active = [i for i in active if states[i].last_pos == requests[i].num_tokens - 2]
         if active:
             logits = torch.stack([states[i].last_logits for i in active])
-            self._sample(logits, requests, active, drafts, probs, [states[i].last_greedy for i in active])
+            self._sampler.sample(logits, requests, active, drafts, probs, [states[i].last_greedy for i in active])
             hidden = {i: states[i].last_h for i in active}
             for i in active:
                 states[i].reserve(ks[i] - 1)  # the draft steps' K/V: scratch rows past n
@@ -173,25 +162,24 @@ class Eagle3Proposer(BaseProposer):
                 for r, i in enumerate(rows):
                     hidden[i] = h[r]
                 self.num_draft_forward_tokens += len(rows)
-                self._sample(out, requests, rows, drafts, probs, greedy)
-        return Proposal(drafts, [torch.stack(p) if p else None for p in probs])
+                self._sampler.sample(out, requests, rows, drafts, probs, greedy)
+        return Proposal(drafts, [torch.stack(p) if p else None for p in probs], receipt=receipt)
 
-    def free_drafts(self, requests: Sequence[Request], caps: Sequence[int]
-                    ) -> list[tuple[list[int], Hashable] | None]:
+    def free_drafts(self, requests: Sequence[Request], caps: Sequence[int]) -> Proposal:
         """Suffix decoding's drafts (up to ``caps``) where they are long, with their kinds
-        (``("suffix", match class)``, ``spec.proposer``), else None: drafts that cost nothing,
-        for the controller to cut (``spec.speculator``)."""
-        out: list[tuple[list[int], Hashable] | None] = [None] * len(requests)
+        (``("suffix", match class)``, ``spec.proposer``), else ``[]`` (the head drafts those):
+        drafts that cost nothing, for the controller to cut (``spec.speculator``)."""
+        out: list[list[int]] = [[] for _ in requests]
+        kinds: list[Hashable] = [None] * len(requests)
         if self.suffix is None:
-            return out
+            return Proposal(out, kinds=kinds)
         ks = [draft_limit(r, self.max_model_len, c) for r, c in zip(requests, caps)]
         proposal = self.suffix.propose(requests, ks)
-        kinds = proposal.kinds
         for i, d in enumerate(proposal.token_ids):
             if d and len(d) >= min(ks[i], SUFFIX_MIN_DRAFT):
-                out[i] = (d, ("suffix", kinds[i]))
+                out[i], kinds[i] = d, ("suffix", proposal.kinds[i])
                 self.num_suffix_drafts += 1
-        return out
+        return Proposal(out, kinds=kinds, receipt=proposal.receipt)
 
     def probe_cost(self, num_tokens: int) -> float:
         """Seconds a draft of ``num_tokens`` tokens costs the head for one request: a one-row
@@ -211,38 +199,20 @@ class Eagle3Proposer(BaseProposer):
         return time.perf_counter() - start
 
     def on_finished(self, request: Request) -> None:
-        self._state.pop(request.request_id, None)
-        self._undo.pop(request.request_id, None)
         if self.suffix is not None:
             self.suffix.on_finished(request)
 
-    def commit(self) -> None:
-        self._undo.clear()
-        if self.suffix is not None:
-            self.suffix.commit()
-
-    def rollback(self) -> None:
-        if self.suffix is not None:
-            self.suffix.rollback()
-        for rid, saved in self._undo.items():
-            if saved is None:
-                self._state.pop(rid, None)
-            else:
-                self._state[rid] = HeadState(*saved)
-        self._undo.clear()
-
     @property
     def num_tracked_requests(self) -> int:
-        return len(self._state)
+        return len(self.states)
 
     # ---- internals ----
     def _state_of(self, request: Request) -> HeadState:
+        """The request's head state, this step's own copy (created on first sight)."""
         rid = request.request_id
-        st = self._state.get(rid)
-        if rid not in self._undo:
-            self._undo[rid] = None if st is None else st.snapshot()
-        if st is None:
-            st = self._state[rid] = self._new_state()
+        if rid not in self.states:
+            self.states.set(rid, self._new_state())
+        st = self.states.edit(rid)
         if st.n == 0 and st.pending and st.pending[0][0] > 0:
             self._borrow_prefix(st, request.all_token_ids)
         st.tokens = request.all_token_ids
@@ -252,7 +222,7 @@ class Eagle3Proposer(BaseProposer):
         """Rows for positions ``[0, s)`` (``s``: the first position with tap states) from a live
         request whose head K/V covers them without a gap and whose tokens ``[0, s]`` agree."""
         s = st.pending[0][0]
-        for other in self._state.values():
+        for other in self.states.values():
             if other is st or other.tokens is None or other.n < s or other.n != other.next_pos:
                 continue
             if other.tokens[:s + 1] == tokens[:s + 1]:
@@ -264,29 +234,7 @@ class Eagle3Proposer(BaseProposer):
         """Run every queued tap row of ``states`` in rounds of at most ``max_batch_tokens`` rows,
         each round one head forward over one piece per request (a piece sees the request's K/V
         from earlier rounds, so a request's pieces never share a round)."""
-        runs: list[list] = []   # [i, start, end, pieces]: contiguous pieces, concatenated once
-        for i, st in states.items():
-            for start, rows in st.pending:
-                if runs and runs[-1][0] == i and runs[-1][2] == start:
-                    runs[-1][2] += rows.shape[0]
-                    runs[-1][3].append(rows)
-                else:
-                    runs.append([i, start, start + rows.shape[0], [rows]])
-            st.pending, st.pending_rows = (), 0
-        queue = [(i, start, pieces[0] if len(pieces) == 1 else torch.cat(pieces)) for i, start, _, pieces in runs]
-        while queue:
-            budget, round_, later, taken = self.max_batch_tokens, [], [], set()
-            for i, start, rows in queue:
-                if budget <= 0 or i in taken:
-                    later.append((i, start, rows))
-                    continue
-                n = min(rows.shape[0], budget)
-                round_.append((i, start, rows[:n]))
-                taken.add(i)
-                budget -= n
-                if n < rows.shape[0]:
-                    later.append((i, start + n, rows[n:]))
-            queue = later
+        for round_ in catch_up_rounds(states, self.max_batch_tokens):
             self._run_round(requests, states, round_)
 
     def _run_round(self, requests: Sequence[Request], states: dict[int, HeadState], pieces) -> None:
@@ -342,37 +290,6 @@ class Eagle3Proposer(BaseProposer):
         c = self.head.config
         return HeadState.empty(c.num_key_value_heads, c.head_dim, self.dtype, self.device)
 
-    def _sample(self, draft_logits: torch.Tensor, requests, rows: list[int], drafts, probs,
-                greedy: list[int | None] | None = None) -> None:
-        """Plain greedy rows (no bans, bias, processors or penalties) take the argmax over the
-        draft vocabulary directly (the same token as the argmax of the scattered row: ``OUTSIDE``
-        never wins), ``greedy[r]`` where the forward gave it; the others go through the shared
-        model-drafter sampling on the target vocabulary."""
-        plain = [r for r, i in enumerate(rows) if _plain_greedy(requests[i])]
-        if plain and greedy is not None and all(greedy[r] is not None for r in plain):
-            for r in plain:
-                drafts[rows[r]].append(greedy[r])
-        elif plain:
-            idx = torch.tensor(plain, dtype=torch.long, device=draft_logits.device)
-            for r, t in zip(plain, self.head.to_target_ids(draft_logits[idx].argmax(dim=-1)).tolist()):
-                drafts[rows[r]].append(t)
-        if len(plain) == len(rows):
-            return
-        rest = [r for r in range(len(rows)) if r not in set(plain)]
-        idx = torch.tensor(rest, dtype=torch.long, device=draft_logits.device)
-        sample_drafts(self._target_logits(draft_logits[idx]), requests, [rows[r] for r in rest], drafts, probs)
-
-    def _target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """``[T, V_draft]`` -> fp32 ``[T, V]`` (``OUTSIDE`` where the draft vocabulary has no id)."""
-        out = torch.full((draft_logits.shape[0], self.head.config.vocab_size), OUTSIDE,
-                         dtype=torch.float32, device=draft_logits.device)
-        out[:, self._target_ids] = draft_logits.to(torch.float32)
-        return out
-
 
 SMALL_WORK = 16  # requests (draft steps) or catch-up rows up to which the head runs on one CPU thread
 
-
-def _plain_greedy(request: Request) -> bool:
-    params = request.sampling_params
-    return (params is None or (params.is_greedy and not params.needs_row_preparation)) and not request.min_tokens_banned

@@ -1,8 +1,10 @@
-"""Build the proposer a ``SpeculativeConfig`` asks for."""
+"""Build the speculation a ``SpeculativeConfig`` asks for: its proposer, the draft-length
+controller with its measured cost model, and the ``Speculator`` over both."""
 
 from __future__ import annotations
 
 from tokenbudget.api.spec_config import SpeculativeConfig
+from tokenbudget.spec.speculator import Speculator
 
 
 def build_proposer(config: SpeculativeConfig, max_model_len: int, target=None, scheduler=None, runner=None):
@@ -30,3 +32,15 @@ def build_controller(config: SpeculativeConfig, cost_model=None):
         return None
     from tokenbudget.spec.adaptive import AdaptiveSpecController
     return AdaptiveSpecController.from_config(config, cost_model=cost_model)
+
+
+def build_speculator(spec_config: SpeculativeConfig, target, scheduler, runner) -> Speculator:
+    """The engine's ``Speculator``: the proposer, and under ``"auto"`` the controller whose cost
+    model's prior is timed on ``runner`` (and the drafter) now (``step_cost``)."""
+    proposer = build_proposer(spec_config, scheduler.config.max_model_len, target=target, scheduler=scheduler,
+                              runner=runner)
+    cost_model = None
+    if spec_config.is_adaptive:
+        from tokenbudget.engine.drafters.step_cost import measure_runner_costs
+        cost_model = measure_runner_costs(runner, scheduler.config, drafter=proposer)
+    return Speculator(spec_config, proposer, build_controller(spec_config, cost_model))

@@ -7,9 +7,10 @@ bends), B one-row decode requests (per-request work), a decode and a verify afte
 (attention), and prefill chunks without logits (rows vs logit rows). Block ids 0.. are written
 with garbage KV: at start-up no request holds them, and every slot is written before it is read
 later. The grid stops at 128 rows and the long context at 1024 tokens to keep start-up short
-(0.8 s for the default model on one core, 1.7 s with the old grid to 256 rows and a warm-up run
-per shape; part of it is first-call work the engine's own first steps would pay otherwise);
-online updates from real steps take over from there.
+(under a second for the default model on one core, half of the old grid's to 256 rows with a
+warm-up run per shape: benches/RESULTS.md, "Figures behind decisions in the source"; part of it
+is first-call work the engine's own first steps would pay otherwise); online updates from real
+steps take over from there.
 
 Each step runs twice and the faster run counts: the first run of a new shape pays one-time work
 (buffers of that row count), and the minimum of two also drops a neighbour's burst. The prior is
@@ -19,7 +20,7 @@ The prior measures the runner, and a model drafter's drafts (``Proposer.probe_co
 head, a draft model) beside the verifies they feed; the engine's online updates time the whole
 step (proposer, scheduler, sampler, outputs), so the model's level moves within a few dozen
 steps. Without the drafter's probe the controller started out pricing the head's drafts at
-nothing and drafted 3 tokens a step at 20-30 % acceptance until the online fit caught up
+nothing and drafted 3 tokens a step at low acceptance until the online fit caught up
 (benches/RESULTS.md).
 """
 
@@ -32,7 +33,8 @@ import torch
 
 from tokenbudget.scheduler.config import SchedulerConfig
 from tokenbudget.scheduler.output import ScheduledRequest, SchedulerOutput
-from tokenbudget.spec.cost_model import StepCostModel, StepShape, default_grid, step_shape
+from tokenbudget.spec.cost_model import StepCostModel
+from tokenbudget.spec.step_shape import StepShape, default_grid, step_shape
 
 
 def _request(i: int, context: int, rows: int, block_size: int, first_block: int,

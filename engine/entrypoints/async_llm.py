@@ -26,9 +26,8 @@ once the engine is dead every stream and every later call raises ``EngineDeadErr
 Figures: after every step the worker thread takes an ``EngineStats`` snapshot; ``get_stats()``
 answers from it while the loop runs (the event loop never reads the engine mid-step). Admission
 control (``max_queued_requests`` / ``max_queued_tokens``) counts the waiting requests of that
-snapshot plus the requests accepted since (``_transit``, cleared once a snapshot includes them; both
-under ``_inbox_lock``):
-``add_request`` raises ``EngineOverloadedError`` past either bound.
+snapshot plus the requests accepted since (``_transit``, cleared once a snapshot includes them;
+both under ``_inbox_lock``): ``add_request`` raises ``EngineOverloadedError`` past either bound.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 
@@ -50,25 +49,16 @@ from tokenbudget.engine.core.prompts import PromptInput
 from tokenbudget.engine.core.stats import EngineStats, check_admission, request_grammar_ms
 from tokenbudget.engine.entrypoints.llm_engine import LLMEngine
 from tokenbudget.engine.entrypoints.memory import release_free_memory
-from tokenbudget.engine.entrypoints.stream import RequestStream
+from tokenbudget.engine.entrypoints.stream import PreparedRequest, RequestStream
+from tokenbudget.request_table import RequestTable
 
 logger = logging.getLogger("tokenbudget")
-
-
-class PreparedRequest(NamedTuple):
-    """A request validated and tokenized by ``AsyncLLM.make_request``, not yet queued."""
-
-    request_id: str
-    kind: RequestOutputKind
-    text: str | None
-    request: Any  # scheduler.request.Request
-    arrival: float
 
 
 class AsyncLLM:
     def __init__(self, model=None, **options: Any) -> None:
         self.engine = LLMEngine(model=model, **options)
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: RequestTable[RequestStream] = RequestTable("streams")  # the front-end's, no step
         self._inbox_lock = threading.Lock()
         self._pending_adds: list[tuple[Any, str | None]] = []
         self._pending_aborts: list[str] = []
@@ -124,7 +114,7 @@ class AsyncLLM:
                             stats.num_waiting_tokens + tokens_transit, request.num_prompt_tokens, n,
                             stats.grammar_mask_ms + masks_transit, masks_ms)
         stream = RequestStream(rid, prepared.kind, self.abort, n, loop=loop)
-        self._streams[rid] = stream
+        self._streams.set(rid, stream)
         with self._inbox_lock:
             self._transit[0] += n
             self._transit[1] += request.num_prompt_tokens * n
@@ -146,9 +136,14 @@ class AsyncLLM:
                 self.abort(stream.request_id)
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
-             request_id: str | None = None, add_generation_prompt: bool = True) -> RequestStream:
-        """``add_request`` with the model's chat template applied to ``messages``."""
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+             request_id: str | None = None, add_generation_prompt: bool = True, *,
+             continue_final_message: bool = False, chat_template: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> RequestStream:
+        """``add_request`` with the model's chat template applied to ``messages`` (the arguments
+        as ``LLM.chat``'s; a bad template, kwargs or limit raises ValueError here)."""
+        prompt = self.tokenizer.chat_prompt(messages, add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message,
+                                            chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
         return self.add_request(request_id, prompt, sampling_params)
 
     def abort(self, request_id: str) -> None:
@@ -289,15 +284,15 @@ class AsyncLLM:
             if stream is None:
                 continue  # aborted meanwhile
             if exc is not None:
-                del self._streams[rid]
+                self._streams.drop(rid)
                 stream.fail(exc)
                 continue
             stream.put(out)
             if out.finished:
-                del self._streams[rid]
+                self._streams.drop(rid)
 
     def _fail_all(self, exc: BaseException) -> None:
-        streams, self._streams = self._streams, {}
+        streams, self._streams = self._streams, RequestTable("streams")
         for stream in streams.values():
             try:
                 stream.loop.call_soon_threadsafe(stream.fail, exc)

@@ -76,10 +76,17 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template (or ``chat_template``) to one conversation (or a list of
+        them) and generate; the arguments are vLLM's (``chat_template_kwargs``: extra template
+        variables such as Qwen3's ``enable_thinking``). Every conversation is rendered and checked
+        before any is queued."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+        prompts = [self.tokenizer.chat_prompt(c, add_generation_prompt=add_generation_prompt,
+                                              continue_final_message=continue_final_message,
+                                              chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

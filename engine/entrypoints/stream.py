@@ -23,10 +23,23 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from tokenbudget.api.errors import RequestError
 from tokenbudget.api.outputs import CompletionOutput, RequestOutput
 from tokenbudget.api.sampling_params import RequestOutputKind
+
+
+class PreparedRequest(NamedTuple):
+    """A request validated and tokenized by ``AsyncLLM.make_request``, not yet queued: what its
+    stream will be made of."""
+
+    request_id: str
+    kind: RequestOutputKind
+    text: str | None
+    request: Any  # scheduler.request.Request
+    arrival: float
+
 
 _CUMULATIVE, _FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY
 

@@ -1,7 +1,8 @@
 """GGUF metadata -> :class:`ModelConfig` (architecture keys as llama.cpp's converter writes them).
 
 Read keys, for ``<arch>`` = ``general.architecture`` (``llama`` covers Llama, Mistral and SmolLM2;
-``qwen2`` Qwen2): ``embedding_length``, ``block_count``, ``feed_forward_length``,
+``qwen2``, ``qwen3``, ``gemma2``, ``gemma3``, ``phi3``, ``olmo2``, ``granite``: each family's own
+switches in ``engine/loader/gguf_families.py``): ``embedding_length``, ``block_count``, ``feed_forward_length``,
 ``attention.head_count``, ``attention.head_count_kv``, ``attention.key_length``,
 ``attention.layer_norm_rms_epsilon``, ``rope.freq_base``, ``context_length``,
 ``rope.scaling.{type,factor,original_context_length,attn_factor,yarn_beta_fast,yarn_beta_slow}``.
@@ -16,11 +17,12 @@ from typing import Any
 
 import torch
 
+from tokenbudget.engine.loader.gguf_families import GGUF_FAMILIES
 from tokenbudget.engine.model.config import ModelConfig
 
 __all__ = ["SUPPORTED_GGUF_ARCHS", "gguf_metadata_to_config", "llama3_rope_scaling_from_freqs"]
 
-SUPPORTED_GGUF_ARCHS = ("llama", "qwen2")
+SUPPORTED_GGUF_ARCHS = tuple(GGUF_FAMILIES)
 
 
 def _rope_scaling_from_metadata(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
@@ -91,7 +93,7 @@ def gguf_metadata_to_config(meta: dict[str, Any], *, vocab_size: int, tied: bool
                                        "tokenizer.ggml.eom_token_id") if k in meta]
     eos_ids = list(dict.fromkeys(eos_ids))
     bos = meta.get("tokenizer.ggml.bos_token_id")
-    return ModelConfig(
+    base = dict(
         architecture=arch,
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -109,3 +111,7 @@ def gguf_metadata_to_config(meta: dict[str, Any], *, vocab_size: int, tied: bool
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_id=(eos_ids[0] if len(eos_ids) == 1 else eos_ids) if eos_ids else None,
     )
+    try:
+        return ModelConfig(**{**base, **GGUF_FAMILIES[arch](meta, arch, base)})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"GGUF metadata of architecture {arch!r}: {e}") from None

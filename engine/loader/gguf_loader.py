@@ -5,7 +5,8 @@ Tensor names are mapped from llama.cpp's (``token_embd``, ``blk.N.attn_q`` ...) 
 ``output.weight`` is absent. llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` for
 the ``llama`` architecture (interleaved rotary pairs, ``w.reshape(n_head, 2, d // n_head // 2,
 *rest).swapaxes(1, 2)``); :func:`unpermute_qk` undoes it so the weights match HF's half-split
-rotary layout. ``qwen2`` files are written unpermuted.
+rotary layout (``granite`` files too); the other architectures are written unpermuted. Which
+GGUF norm fills which HF role is the family's (``engine/loader/gguf_families.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from tokenbudget.engine.loader.gguf_config import (
     llama3_rope_scaling_from_freqs,
 )
 from tokenbudget.engine.loader.gguf_dequant import dequantize_tensor
+from tokenbudget.engine.loader.gguf_families import PERMUTED_QK, block_names
 from tokenbudget.engine.loader.gguf_file import GGUFFile, read_gguf
+from tokenbudget.engine.loader.model_checks import check_gguf_model
 from tokenbudget.engine.loader.weight_quant import block_weight_type
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.text.gguf_tokenizer import build_gguf_tokenizer
@@ -34,13 +37,8 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def read_gguf_metadata(source: str | os.PathLike[str] | GGUFFile) -> dict[str, Any]:
@@ -48,14 +46,32 @@ def read_gguf_metadata(source: str | os.PathLike[str] | GGUFFile) -> dict[str, A
     return (source if isinstance(source, GGUFFile) else read_gguf(source)).metadata
 
 
-def gguf_tensor_name_to_hf(name: str) -> str | None:
-    """HF parameter name for a GGUF tensor name; None for tensors with no HF counterpart."""
+def gguf_tensor_name_to_hf(name: str, arch: str = "llama") -> str | None:
+    """HF parameter name for a GGUF tensor name of architecture ``arch``; None for tensors with
+    no HF counterpart."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _BLOCK_RE.match(name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    names = block_names(arch)
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
+
+
+def _longrope(meta: dict[str, Any], arch: str, tensors) -> dict[str, Any] | None:
+    """Phi-3's longrope from its ``rope_factors_long/short`` tensors (llama.cpp keeps the factors
+    as tensors, the original context length and attention factor as metadata)."""
+    if "rope_factors_long.weight" not in tensors:
+        return None
+    factors = {k: dequantize_tensor(tensors[f"rope_factors_{k}.weight"].data,
+                                    tensors[f"rope_factors_{k}.weight"].tensor_type).flatten().tolist()
+               for k in ("long", "short")}
+    out = {"rope_type": "longrope", "long_factor": factors["long"], "short_factor": factors["short"],
+           "original_max_position_embeddings": int(meta.get(f"{arch}.rope.scaling.original_context_length",
+                                                            meta.get(f"{arch}.context_length", 4096)))}
+    if (attn := meta.get(f"{arch}.rope.scaling.attn_factor")) is not None:
+        out["attention_factor"] = float(attn)
+    return out
 
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -77,6 +93,7 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
     ``ValueError`` for an unexpected tensor.
     """
     reader = read_gguf(path)
+    check_gguf_model(reader)  # metadata against the tensor shapes, before anything is dequantized
     meta = reader.metadata
     arch = str(meta.get("general.architecture", ""))
     tensors = {t.name: t for t in reader.tensors}
@@ -92,6 +109,7 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
                                   tensors["rope_freqs.weight"].tensor_type)
         rope_scaling = llama3_rope_scaling_from_freqs(freqs, float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
                                                       head_dim)
+    rope_scaling = _longrope(meta, arch, tensors) or rope_scaling
     config = gguf_metadata_to_config(
         meta, vocab_size=vocab_size, tied="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors, rope_scaling=rope_scaling)
@@ -99,13 +117,13 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
 
     state_dict: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        if name == "rope_freqs.weight":
+        if name in _ROPE_TENSORS:
             continue
-        hf_name = gguf_tensor_name_to_hf(name)
+        hf_name = gguf_tensor_name_to_hf(name, arch)
         if hf_name is None:
             raise ValueError(f"{path}: unexpected tensor {name!r} for architecture {arch!r}")
         w = dequantize_tensor(t.data, t.tensor_type, dtype)
-        if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+        if arch in PERMUTED_QK and (".q_proj." in hf_name or ".k_proj." in hf_name):
             n_head = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
             w = unpermute_qk(w, n_head)
         state_dict[hf_name] = w

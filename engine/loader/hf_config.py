@@ -20,7 +20,7 @@ from typing import Any
 
 from tokenbudget.engine.model.config import ModelConfig
 
-__all__ = ["SUPPORTED_HF_ARCHS", "hf_config_to_model_config", "text_tensor_name"]
+__all__ = ["SUPPORTED_HF_ARCHS", "TEXT_MODELS", "hf_config_to_model_config", "text_model_config", "text_tensor_name"]
 
 
 def _rope(params: Any, cfg: dict[str, Any], theta_default: float) -> tuple[float, dict[str, Any] | None]:
@@ -237,7 +237,8 @@ def text_tensor_name(model_type: str | None, name: str) -> str | None:
     return None
 
 
-def _text_part(cfg: dict[str, Any]) -> dict[str, Any]:
+def text_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config's language-model part (``TEXT_MODELS``), read as its text family."""
     text = cfg.get("text_config")
     if not isinstance(text, dict):
         raise ValueError(f"config.json of model_type {cfg['model_type']!r} lacks text_config")
@@ -263,7 +264,7 @@ def hf_config_to_model_config(cfg: dict[str, Any],
     if it is missing, malformed or unsupported)."""
     model_type = cfg.get("model_type")
     if model_type in TEXT_MODELS:
-        cfg, model_type = _text_part(cfg), TEXT_MODELS[model_type]
+        cfg, model_type = text_model_config(cfg), TEXT_MODELS[model_type]
     if model_type not in FAMILIES:
         raise ValueError(f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_HF_ARCHS)})")
     try:

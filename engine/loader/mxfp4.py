@@ -37,6 +37,20 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return values.view(e, rows, g * 32).transpose(1, 2).contiguous().to(dtype)
 
 
+def mxfp4_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Header shapes with each ``X_blocks`` / ``X_scales`` pair as the ``X`` it dequantizes to
+    (``[E, G * 32, rows]``), so a check sees the tensors the model reads."""
+    out = dict(shapes)
+    for name in [k[:-len("_blocks")] for k in shapes if k.endswith("_blocks")]:
+        blocks = out.pop(name + "_blocks")
+        scales = out.pop(name + "_scales", None)
+        if scales is None or len(blocks) != 4 or blocks[-1] != 16 or tuple(blocks[:-1]) != tuple(scales):
+            raise ValueError(f"MXFP4 tensor {name}: blocks {blocks} / scales {scales}, expected [E, rows, G, 16] "
+                             "and [E, rows, G]")
+        out[name] = (blocks[0], blocks[2] * 32, blocks[1])
+    return out
+
+
 def dequantize_state_dict(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
     """Replace every ``X_blocks`` / ``X_scales`` pair of ``state_dict`` by ``X`` in place."""
     pairs = [k[:-len("_blocks")] for k in state_dict if k.endswith("_blocks")]

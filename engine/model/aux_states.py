@@ -1,12 +1,14 @@
 """Auxiliary hidden states: the target's residual stream at chosen layers, kept from a forward.
 
 EAGLE-3 heads read, at every position, the target's hidden states at three layers of the forward
-that already runs (prefill chunks, decodes, verifies). ``set_aux_layers(ids)`` on a model object
-(``DecoderLM``; ``CpuForwardModel``, whose C forward copies the rows out; the CUDA graph
-wrapper, whose graphs keep them; ``ModelRunner`` passes it to its model) makes each forward
-also leave ``aux_hidden_states``: ``[T, len(ids) * hidden]`` float32 on the model's device, for
-the T real (unpadded) rows of the forward in its input order, tap ``ids[j]`` in columns
-``[j * hidden, (j + 1) * hidden)``.
+that already runs (prefill chunks, decodes, verifies). A forward asked for them
+(``model(input_ids, positions, attn_metadata, kv_caches, aux_layers=ids)``: ``DecoderLM``;
+``CpuForwardModel``, whose C forward copies the rows out; the CUDA graph wrapper, whose graphs
+keep them) returns ``(hidden, aux)``: ``aux [T, len(ids) * hidden]`` float32 on the model's
+device, for the T real (unpadded) rows of the forward in its input order, tap ``ids[j]`` in
+columns ``[j * hidden, (j + 1) * hidden)``. Nothing is left on the model: the taps a runner asks
+for are the runner's (``ModelRunner.set_aux_layers``, checked by ``check_aux_layers``), and its
+step hands them on in ``ModelRunnerOutput.aux_hidden_states``.
 
 Tap id ``i`` is the residual stream at the INPUT of decoder layer ``i`` (the output of layer
 ``i - 1``; 0 is the token embedding): HF ``output_hidden_states[i]``, and what vLLM's EAGLE-3
@@ -17,9 +19,8 @@ after the final norm, which no head reads.
 The forward runs under ``torch.inference_mode``, so the states are inference tensors: training
 code that feeds them to a module with gradients clones them first (outside inference mode).
 
-The states are recomputed by every forward (nothing carries over between steps, so a rolled-back
-or retried step recomputes them) and set to None when a forward starts, so a forward that raises
-leaves none behind.
+The states are returned by the forward that computed them (nothing carries over between steps,
+so a rolled-back or retried step recomputes them, and a forward that raises leaves none behind).
 """
 
 from __future__ import annotations

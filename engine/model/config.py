@@ -151,8 +151,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         """Keys a query of ``layer`` sees, itself included (0: all of its context). A layer is
         sliding when ``layer_types`` says so, or, without ``layer_types``, whenever
         ``sliding_window`` is set (Mistral, Phi-3: every layer)."""
-        if self.sliding_window is None:
-            return 0
+        if self.sliding_window is None or self.sliding_window >= self.max_position_embeddings:
+            return 0  # (a window over the whole context, Phi-4-mini's 262144, is no window)
         if self.layer_types is None:
             return self.sliding_window
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else 0

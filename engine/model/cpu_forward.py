@@ -62,28 +62,17 @@ def kernels_summary(model) -> str:
 
 def unsupported_switches(config) -> list[str]:
     """The config switches (``engine/model/config.py``) the C forward does not run: a model that
-    sets one runs the torch forward over the same C GEMMs (said in the start-up line)."""
+    sets one runs the torch forward over the same C GEMMs (said in the start-up line). The C forward
+    runs q/k norms, every norm layout, partial rotary, NoPE layers, per-layer RoPE tables, the
+    attention scale and the residual multiplier; the embedding multiplier and the logits' scaling
+    and soft-cap are torch's, around it."""
     c, out = config, []
-    if c.qk_norm != "none":
-        out.append("qk_norm")
-    if c.norm_layout != "pre":
-        out.append(f"{c.norm_layout} norms")
     if c.hidden_act != "silu":
         out.append(c.hidden_act)
-    if c.rotary_dim != c.resolved_head_dim:
-        out.append("partial rotary")
     if any(c.layer_window(i) for i in range(c.num_hidden_layers)):
         out.append("sliding windows")
     if c.attn_logit_softcapping is not None:
         out.append("attention soft-cap")
-    if c.attention_scale is not None:
-        out.append("attention scale")
-    if c.residual_multiplier != 1.0:
-        out.append("residual multiplier")
-    if c.sliding_rope_theta is not None:
-        out.append("per-layer RoPE")
-    if c.nope_layers:
-        out.append("NoPE layers")
     if c.num_experts:
         out.append("experts")
     if c.attention_sinks:
@@ -108,18 +97,15 @@ class CpuForwardModel:
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
-                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
+                 kv_caches: list[torch.Tensor], aux_layers: tuple[int, ...] | None = None):
+        """The model's forward contract, taps included (``(hidden, aux)`` with ``aux_layers``,
+        ``engine/model/aux_states.py``), whichever path runs."""
         m = self.model
         if self.cpu_forward is not None and self.cpu_forward.accepts(kv_caches):
-            m.aux_hidden_states = None
-            x, m.aux_hidden_states = self.cpu_forward(input_ids, positions, attn_metadata, kv_caches, m.aux_layers)
-            return rms_norm(x, m.norm, m.eps)
-        return m(input_ids, positions, attn_metadata, kv_caches)
-
-    def set_aux_layers(self, ids) -> None:
-        """Taps on both paths (``engine/model/aux_states.py``); the states are the model's
-        ``aux_hidden_states``, whichever path ran."""
-        self.model.set_aux_layers(ids)
+            x, aux = self.cpu_forward(input_ids, positions, attn_metadata, kv_caches, aux_layers)
+            hidden = rms_norm(x, m.norm, m.eps)
+            return (hidden, aux) if aux_layers else hidden
+        return m(input_ids, positions, attn_metadata, kv_caches, aux_layers=aux_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
@@ -135,7 +121,9 @@ class CpuForward:
 
     def __init__(self, model):
         self.model = model
-        self._norms = [(lw.attn_in_norm.contiguous(), lw.mlp_in_norm.contiguous()) for lw in model.layers]
+        self._norms = [tuple(None if n is None else n.contiguous() for n in
+                             (lw.attn_in_norm, lw.attn_out_norm, lw.mlp_in_norm, lw.mlp_out_norm, lw.q_norm, lw.k_norm))
+                       for lw in model.layers]
         self._linears = [tuple(tb_linear(lin) for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)) for lw in model.layers]
         self._table, self._table_key = None, None
         self._aux_tensor, self._aux_key = None, None
@@ -161,12 +149,18 @@ class CpuForward:
 
     def _layer_table(self, kv_caches: list[torch.Tensor]):
         """The ``TbLayer`` array for these caches (rebuilt only when they change)."""
-        key = tuple(kv.data_ptr() for kv in kv_caches)
-        if key != self._table_key:
-            if len(key) != len(self._norms):
-                raise ValueError(f"{len(key)} KV caches for {len(self._norms)} layers")
-            self._table = (TbLayer * len(key))(*[TbLayer(n0.data_ptr(), n1.data_ptr(), kv, *lins)
-                                                 for (n0, n1), kv, lins in zip(self._norms, key, self._linears)])
+        ropes = [lw.rope for lw in self.model.layers]
+        key = (tuple(kv.data_ptr() for kv in kv_caches), tuple(0 if r is None else r.cos.data_ptr() for r in ropes))
+        if key != self._table_key:  # the KV caches or a RoPE table (grown by reserve) moved
+            if len(kv_caches) != len(self._norms):
+                raise ValueError(f"{len(kv_caches)} KV caches for {len(self._norms)} layers")
+
+            def ptr(t) -> int:
+                return 0 if t is None else t.data_ptr()
+            self._table = (TbLayer * len(kv_caches))(*[
+                TbLayer(*map(ptr, norms), ptr(None if r is None else r.cos), ptr(None if r is None else r.sin),
+                        kv.data_ptr(), *lins)
+                for norms, r, kv, lins in zip(self._norms, ropes, kv_caches, self._linears)])
             self._table_key = key
         return self._table
 
@@ -183,8 +177,9 @@ class CpuForward:
         p_lo, p_hi = torch.aminmax(pos)
         s_lo, s_hi = torch.aminmax(slots)
         b_lo, b_hi = torch.aminmax(tables)
-        if p_lo < 0 or p_hi >= self.model.rope.max_pos:
-            raise IndexError(f"positions must be in [0, {self.model.rope.max_pos}), got [{int(p_lo)}, {int(p_hi)}]")
+        max_pos = min(r.max_pos for r in self.model.ropes.values()) if self.model.ropes else 2**62
+        if p_lo < 0 or p_hi >= max_pos:
+            raise IndexError(f"positions must be in [0, {max_pos}), got [{int(p_lo)}, {int(p_hi)}]")
         if s_lo < 0 or s_hi >= num_blocks * block_size or b_lo < 0 or b_hi >= num_blocks:
             raise IndexError(f"KV slots [{int(s_lo)}, {int(s_hi)}] / blocks [{int(b_lo)}, {int(b_hi)}] "
                              f"outside the cache ({num_blocks} blocks of {block_size})")
@@ -195,9 +190,9 @@ class CpuForward:
         """-> (the last layer's residual stream ``[T, hidden]``, the caller applies the final norm;
         the residual stream at the input of each layer in ``aux_layers``, ``[T, len * hidden]``,
         or None without taps)."""
-        m = self.model
+        m, c = self.model, self.model.config
         t = md.num_tokens
-        x = m.embed[input_ids[:t]].contiguous()
+        x = m.embed_tokens(input_ids[:t]).contiguous()
         qo, kv_lens = md.qo_indptr, md.kv_lens
         if len(kv_lens) == 1:  # the common decode / single-request shape, without tensor ops
             req = torch.zeros(t, dtype=torch.int32)
@@ -221,8 +216,9 @@ class CpuForward:
             num_tokens=t, hidden=hsz, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
             head_dim=m.head_dim, intermediate=m.config.intermediate_size, num_layers=len(layers),
             block_size=kv_caches[0].shape[2], max_blocks=max_blocks, num_threads=torch.get_num_threads(),
-            eps=m.eps, scale=m.head_dim ** -0.5, layers=layers, x=x.data_ptr(), positions=pos.data_ptr(),
-            cos=m.rope.cos.data_ptr(), sin=m.rope.sin.data_ptr(), slots=slots.data_ptr(), row_ctx=ctx.data_ptr(),
+            qk_norm={"none": 0, "head": 1, "proj": 2}[c.qk_norm], rotary_dim=c.rotary_dim,
+            eps=m.eps, scale=c.attention_scale or m.head_dim ** -0.5, residual_mult=c.residual_multiplier,
+            layers=layers, x=x.data_ptr(), positions=pos.data_ptr(), slots=slots.data_ptr(), row_ctx=ctx.data_ptr(),
             row_req=req.data_ptr(), block_tables=tables.data_ptr(), num_aux=num_aux,
             aux_layers=0 if aux_ids is None else aux_ids.data_ptr(), aux=0 if aux is None else aux.data_ptr()))
         return x, aux

@@ -8,8 +8,8 @@ soft-capping, sliding-window layers with their own RoPE, partial rotary, biases)
 Plain PyTorch over a FLAT token batch: ``forward(input_ids[T], positions[T], attn_metadata,
 kv_caches) -> hidden[T, H]`` (after the final norm), ``compute_logits(hidden[S, H]) -> [S, V]``
 fp32, only at the rows that are sampled. q/k/v are fused into one weight, gate/up into one.
-With ``set_aux_layers(ids)`` each forward also keeps ``aux_hidden_states`` (EAGLE-3's taps of the
-residual stream at the input of those layers, ``engine/model/aux_states.py``).
+With ``aux_layers=ids`` a forward also returns EAGLE-3's taps of the residual stream at the input
+of those layers (``(hidden, aux)``, ``engine/model/aux_states.py``).
 
 Batch invariance (measured on this CPU: AMD EPYC, AVX-512, torch 2.13 + MKL 2024.2, 1-2 threads)
 ------------------------------------------------------------------------------------------------
@@ -50,7 +50,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenbudget.engine.model.aux_states import check_aux_layers
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.model.layers import ACTIVATIONS, Linear, gated_mlp, pad_rows, rms_norm
 from tokenbudget.engine.model.moe import MoEBlock
@@ -95,10 +94,6 @@ class DecoderLM(torch.nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.rms_norm = rms_norm  # deterministic mode: the one-row-per-program Triton kernel
-        # EAGLE-3 taps (engine/model/aux_states.py): the layers whose input residual stream each
-        # forward keeps, and the last forward's states [T, len(aux_layers) * hidden] float32.
-        self.aux_layers: tuple[int, ...] | None = None
-        self.aux_hidden_states: torch.Tensor | None = None
 
     def _rope_for(self, layer: int) -> RotaryTable | None:
         c = self.config
@@ -116,19 +111,17 @@ class DecoderLM(torch.nn.Module):
         for table in self.ropes.values():
             table.reserve(n)
 
-    def set_aux_layers(self, ids) -> None:
-        """Keep the residual stream at the input of layers ``ids`` in each forward (None: none)."""
-        self.aux_layers = check_aux_layers(ids, len(self.layers))
-        self.aux_hidden_states = None
-
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed[input_ids]
         m = self.config.embedding_multiplier
         return x if m == 1.0 else x * m
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                kv_caches: list[torch.Tensor], aux_layers: tuple[int, ...] | None = None):
+        """The final hidden state ``[T, hidden]``; with ``aux_layers`` (EAGLE-3 taps, checked by
+        ``aux_states.check_aux_layers``) ``(hidden, aux)``, ``aux [T, len(aux_layers) * hidden]``
+        float32 (``engine/model/aux_states.py``)."""
         t = input_ids.shape[0]
         tp = pad_rows(t, self.row_multiple)
         if tp != t:  # batch invariance: every GEMM sees a multiple-of-4 row count
@@ -137,15 +130,15 @@ class DecoderLM(torch.nn.Module):
         x = self.embed_tokens(input_ids)
         rotations = {id(r): r.lookup(positions) for r in self.ropes.values()}
         rotations[id(None)] = None  # a NoPE layer
-        taps, tapped = self.aux_layers, {}
-        self.aux_hidden_states = None
+        taps, tapped = aux_layers, {}
         for i, (lw, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if taps and i in taps:
                 tapped[i] = x  # x is rebound below, never written in place
             x = self.layer(lw, x, rotations[id(lw.rope)], attn_metadata, kv_cache)
+        hidden = self.rms_norm(x, self.norm, self.eps)[:t]
         if taps:
-            self.aux_hidden_states = torch.cat([tapped[i][:t] for i in taps], dim=1).float()
-        return self.rms_norm(x, self.norm, self.eps)[:t]
+            return hidden, torch.cat([tapped[i][:t] for i in taps], dim=1).float()
+        return hidden
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         return x if weight is None else self.rms_norm(x, weight, self.eps)

@@ -222,14 +222,6 @@ class Eagle3Head(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
-    def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """``[T, V_draft]`` -> ``[T, V]`` with -inf outside the draft vocabulary (q for rejection
-        sampling is the softmax of this)."""
-        out = draft_logits.new_full((draft_logits.shape[0], self.config.vocab_size), float("-inf"))
-        idx = torch.arange(self.config.draft_vocab_size, device=draft_logits.device)
-        out[:, self.to_target_ids(idx)] = draft_logits
-        return out
-
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal self-attention over one sequence (rows = positions in order), GQA expanded: the

@@ -147,16 +147,14 @@ class OpenAIServer:
             # Every text field of the messages, before the template copies them ...
             self._check_prompt_bytes(b"".join(text.encode("utf-8", "surrogatepass") for m in messages
                                               for text in m.values() if isinstance(text, str)), field)
-            try:
-                prompt = self.llm.tokenizer.apply_chat_template(messages)
-            except ValueError as exc:
-                raise proto.ProtocolError(str(exc), "messages") from None
+            prompt = proto.chat_prompt(self.llm.tokenizer, req, messages)
         else:
             prompt = proto.completion_prompt(req)
             if not isinstance(prompt, str) and len(prompt) > self.max_prompt_tokens:
                 self._too_many_tokens(len(prompt), field)
-        if isinstance(prompt, str):  # ... and the text that is tokenized, whatever the template added
-            self._check_prompt_bytes(prompt.encode("utf-8", "surrogatepass"), field)
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if isinstance(text, str):  # ... and the text that is tokenized, whatever the template added
+            self._check_prompt_bytes(text.encode("utf-8", "surrogatepass"), field)
         prepared = self.llm.make_request(rid, prompt, params)
         num_prompt = prepared.request.num_prompt_tokens
         if num_prompt > self.max_prompt_tokens:

@@ -19,6 +19,7 @@ import msgspec
 
 from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
 from tokenbudget.engine.serve.limits import ServerLimits, check_counts, check_depth
+from tokenbudget.engine.text.chat_template import check_chat_template_kwargs
 
 # OpenAI fields not mapped yet (the sampling-parity work adds them to SamplingParams), with the
 # value that means "not used".
@@ -115,6 +116,10 @@ class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's extra chat fields
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 FIELDS = frozenset(CompletionRequest.__struct_fields__) | frozenset(ChatCompletionRequest.__struct_fields__)
@@ -172,6 +177,25 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     if not out:
         raise ProtocolError("messages must not be empty", "messages")
     return out
+
+
+def chat_prompt(tokenizer, req: ChatCompletionRequest, messages: list[dict]) -> dict[str, Any]:
+    """The engine prompt of a chat body (``Tokenizer.chat_prompt``); ``ProtocolError`` naming
+    ``chat_template_kwargs``, ``continue_final_message`` or, when the chat template refuses or
+    goes past its limits, ``messages``."""
+    try:
+        check_chat_template_kwargs(req.chat_template_kwargs)
+    except ValueError as exc:
+        raise ProtocolError(str(exc), "chat_template_kwargs") from None
+    if req.continue_final_message and req.add_generation_prompt:
+        raise ProtocolError("continue_final_message and add_generation_prompt cannot both be true",
+                            "continue_final_message")
+    try:
+        return tokenizer.chat_prompt(messages, add_generation_prompt=req.add_generation_prompt,
+                                     continue_final_message=req.continue_final_message,
+                                     chat_template_kwargs=req.chat_template_kwargs)
+    except ValueError as exc:
+        raise ProtocolError(str(exc), "messages") from None
 
 
 def _check_not_mapped(req: _Common) -> None:

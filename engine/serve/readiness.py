@@ -117,7 +117,9 @@ def make_replica_server(load: Callable[[], object], model_name: str, host: str =
                         app_options: dict | None = None) -> tuple[DrainingServer, threading.Thread]:
     """A server that listens at once and serves ``build_app(llm, model_name, api_key,
     **app_options)`` once ``load()`` (an ``AsyncLLM``) returns; the loader thread (not started).
-    A failed load stops the server (``server.load_error``)."""
+    A failed load stops the server (``server.load_error``); a ``ValueError``/``OSError`` (a bad
+    model path or file) is left to the caller to report, anything else is logged with its
+    traceback."""
     from tokenbudget.engine.serve.app import build_app
 
     gate = ReplicaGate()
@@ -132,9 +134,7 @@ def make_replica_server(load: Callable[[], object], model_name: str, host: str =
             gate.open(build_app(llm, model_name, api_key, **(app_options or {})), llm)
             logger.info("tokenbudget: %s loaded; /health is 200", model_name)
         except BaseException as exc:  # noqa: BLE001 - reported, and the server stops
-            if isinstance(exc, (ValueError, OSError)):  # the user's model path or file: no traceback
-                logger.error("tokenbudget: loading %s failed: %s", model_name, exc)
-            else:
+            if not isinstance(exc, (ValueError, OSError)):  # a bad model path or file: the caller's one line
                 logger.exception("tokenbudget: loading %s failed", model_name)
             server.load_error = exc
             server.should_exit = True

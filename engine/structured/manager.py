@@ -32,7 +32,11 @@ tokens. Everything else follows from it.
   the grammar forbids cannot be sampled; if it is (``min_tokens`` banning the only legal token,
   EOS) or the grammar refuses to go on (a resource limit), that request's ``RequestFault``.
 * ``rollback()`` undoes ``prepare``; ``commit(plan)`` keeps it, rolling back the tokens a later
-  stage of the step dropped (a stop string cut the output; that request finishes anyway).
+  stage of the step dropped (a stop string cut the output; that request finishes anyway). The
+  matchers are the one per-request state that cannot be a record of its ``RequestTable``: each
+  is llguidance's native parser state, advanced by ``consume`` and undone by ``rollback(n)``, with
+  no cheap copy; so this journal of consumed tokens is kept beside the table (which only says
+  which request has which matcher, and is released with the request).
 
 Mask cost: wall-clock limits would fail requests on a busy machine, so the budget is the CPU time
 of the thread computing the masks (``time.thread_time``), which does not grow when the process
@@ -50,6 +54,7 @@ from tokenbudget.api.grammar_source import grammar_source
 from tokenbudget.engine.structured.backend import GrammarBackend, GrammarMatcher
 from tokenbudget.engine.structured.llguidance_backend import load_backend
 from tokenbudget.engine.structured.mask_budget import MaskBudget, MaskDeferral
+from tokenbudget.request_table import RequestTable
 from tokenbudget.scheduler.drafts import DraftBatch
 from tokenbudget.scheduler.output import EngineCoreOutput, SchedulerOutput
 from tokenbudget.scheduler.request import Request, RequestStatus
@@ -77,7 +82,7 @@ class StructuredOutputs:
         self._step_masks: dict[str, tuple[list[int], np.ndarray]] = {}  # this step's, kept across its attempts
         self._backend: GrammarBackend | None = None  # built on first use (~0.3 s on a 49k vocabulary)
         self._backend_lock = threading.Lock()
-        self.matchers: dict[str, GrammarMatcher] = {}
+        self.matchers: RequestTable[GrammarMatcher] = RequestTable("grammar matchers")
         self._journal: list[tuple[str, GrammarMatcher, int]] = []
         self.mask_seconds = 0.0  # time spent computing and applying masks (benches read it)
         self.mask_rows = 0
@@ -129,11 +134,16 @@ class StructuredOutputs:
 
     def add(self, request_id: str, matcher: GrammarMatcher | None) -> None:
         if matcher is not None:
-            self.matchers[request_id] = matcher
+            self.matchers.set(request_id, matcher)
 
-    def on_finished(self, request: Request) -> None:
-        self.matchers.pop(request.request_id, None)
-        self.budget.forget(request.request_id)
+    @property
+    def tables(self) -> tuple[RequestTable, ...]:
+        return (self.matchers,)
+
+    def forget(self, request_id: str) -> None:
+        """A finished request's share of the mask budget (accounting across steps, not step state:
+        nothing to roll back, so it lives outside the tables)."""
+        self.budget.forget(request_id)
 
     # ---- one step
     def plan_step(self, num_requests: int) -> frozenset[str]:

@@ -21,8 +21,9 @@ rows and dummy requests), plans ONCE (refilling the buffers in place; the eager 
 planned: their planning is lazy) and refreshes the fixed ``slot_mapping`` (-1 on padding rows:
 no K/V write) and ``row_pad`` buffers; the static ``input_ids`` and ``positions`` get the real
 tokens at their bucket rows (zeros elsewhere). The output is the real rows of the static hidden
-state, gathered in the step's order; with EAGLE-3 taps set (``set_aux_layers``) the graphs also
-keep the taps, gathered the same way into ``aux_hidden_states``.
+state, gathered in the step's order; with EAGLE-3 taps set (``set_aux_layers``: the graphs are
+captured with them) a call asked for them (``aux_layers``) returns ``(hidden, aux)``, the taps
+gathered the same way.
 
 The graph API is a small driver (:class:`CudaGraphDriver`: warm up, capture into the shared
 pool, replay). Tests pass a driver that replays by re-running the captured function over the
@@ -104,7 +105,7 @@ class CUDAGraphRunner:
         self.max_pages_per_req = max_pages_per_req
         self.num_warmup = num_warmup
         self.graphs: dict[tuple[int, int], _Captured] = {}
-        self.aux_hidden_states: torch.Tensor | None = None  # the last call's taps (set_aux_layers)
+        self.aux_layers: tuple[int, ...] | None = None  # the taps the graphs are captured with
 
     @classmethod
     def for_engine(cls, model, kv_caches: list[torch.Tensor], backend, *, max_num_seqs: int,
@@ -121,32 +122,27 @@ class CUDAGraphRunner:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
 
-    @property
-    def aux_layers(self) -> tuple[int, ...] | None:
-        return getattr(self.model, "aux_layers", None)
-
-    def set_aux_layers(self, ids) -> None:
-        """EAGLE-3 taps (``engine/model/aux_states.py``) in graphs too: a captured forward with
-        taps also writes them into its static output (``[T, hidden + len(ids) * hidden]``, the
-        hidden state in fp32 beside them), so changing the taps recaptures every graph captured
-        so far (start-up work, done once when the drafter is built)."""
-        before = self.aux_layers
-        self.model.set_aux_layers(ids)
-        self.aux_hidden_states = None
-        if self.aux_layers != before and self.graphs:
+    def set_aux_layers(self, ids: tuple[int, ...] | None) -> None:
+        """EAGLE-3 taps (``engine/model/aux_states.py``; checked by the ``ModelRunner``) in graphs
+        too: a captured forward with taps also writes them into its static output (``[T, hidden +
+        len(ids) * hidden]``, the hidden state in fp32 beside them), so changing the taps
+        recaptures every graph captured so far (start-up work, done once when the drafter is built)."""
+        before, self.aux_layers = self.aux_layers, ids
+        if ids != before and self.graphs:
             self.graphs = {}  # the old graphs go back to the pool before the new ones are captured
             self.capture()
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                 kv_caches: list[torch.Tensor], aux_layers: tuple[int, ...] | None = None):
+        """The model's forward contract (``(hidden, aux)`` with ``aux_layers``: the taps the graphs
+        were captured with, ``set_aux_layers``)."""
         if kv_caches is not self.kv_caches:
             raise ValueError("CUDAGraphRunner was captured over other kv_caches")
-        self.aux_hidden_states = None
+        if aux_layers != self.aux_layers:
+            raise ValueError(f"aux_layers: the graphs were captured with {self.aux_layers}, asked for {aux_layers}")
         cap = self._bucket_for(attn_metadata.qo_indptr)
         if cap is None:
-            hidden = self.model(input_ids, positions, attn_metadata, kv_caches)
-            self.aux_hidden_states = getattr(self.model, "aux_hidden_states", None) if self.aux_layers else None
-            return hidden
+            return self.model(input_ids, positions, attn_metadata, kv_caches, aux_layers=aux_layers)
         return self._replay(cap, input_ids, positions, attn_metadata)
 
     # ---- capture --------------------------------------------------------------------------
@@ -171,8 +167,10 @@ class CUDAGraphRunner:
         model, taps = self.model, self.aux_layers
 
         def forward():
-            hidden = model(ids, pos, md, self.kv_caches)
-            return torch.cat([hidden.float(), model.aux_hidden_states], dim=1) if taps else hidden
+            if not taps:
+                return model(ids, pos, md, self.kv_caches)
+            hidden, aux = model(ids, pos, md, self.kv_caches, aux_layers=taps)
+            return torch.cat([hidden.float(), aux], dim=1)
 
         replay, out = self.driver.capture(forward, self.num_warmup)
         return _Captured(replay, attn, ids, pos, out)
@@ -189,8 +187,7 @@ class CUDAGraphRunner:
             return None
         return self.graphs.get((bsz, q_len))
 
-    def _replay(self, cap: _Captured, input_ids: torch.Tensor, positions: torch.Tensor,
-                md: AttentionMetadata) -> torch.Tensor:
+    def _replay(self, cap: _Captured, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata):
         n = md.num_tokens
         cap.attn.prepare(md.qo_indptr, md.kv_lens, md.block_tables, md.slot_mapping[:n])
         dest = cap.attn.dest
@@ -203,8 +200,7 @@ class CUDAGraphRunner:
         if not self.aux_layers:
             return out
         h = self.model.config.hidden_size  # the taps' columns follow the hidden state (_capture_one)
-        self.aux_hidden_states = out[:, h:].contiguous()
-        return out[:, :h].to(self.model.dtype).contiguous()
+        return out[:, :h].to(self.model.dtype).contiguous(), out[:, h:].contiguous()
 
 
 __all__ = ["CUDAGraphRunner", "CudaGraphDriver"]

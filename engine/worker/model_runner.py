@@ -19,6 +19,7 @@ import logging
 
 import torch
 
+from tokenbudget.engine.model.aux_states import check_aux_layers
 from tokenbudget.engine.model.config import ModelConfig
 from tokenbudget.engine.model.cpu_forward import c_forward_name
 from tokenbudget.engine.structured.bitmask import apply_bitmask
@@ -54,6 +55,7 @@ class ModelRunner:
             attn_backend = select_attention_backend(self.device, spec, deterministic=deterministic,
                                                     attends_itself=c_forward_name(model))
         self.attn_backend = attn_backend
+        self.aux_layers: tuple[int, ...] | None = None  # EAGLE-3 taps each step returns (set_aux_layers)
 
     # ---- one step ------------------------------------------------------------------------
     def prepare_inputs(self, sched: SchedulerOutput
@@ -66,23 +68,28 @@ class ModelRunner:
 
     def compute_logits(self, sched: SchedulerOutput) -> tuple[torch.Tensor, InputBatch]:
         """Forward + logits at the sampling rows (``[S, V]`` fp32); no sampling."""
-        logits, batch, _ = self._forward(sched)
+        logits, batch, _, _ = self._forward(sched)
         return logits, batch
 
-    def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, InputBatch, torch.Tensor]:
+    def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, InputBatch, torch.Tensor, torch.Tensor | None]:
+        """Logits at the sampling rows, the batch, the hidden state and the taps (``aux_layers``)."""
         batch = self._prepare(sched)
-        hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches)
+        aux = None
+        if self.aux_layers:
+            hidden, aux = self.model(batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches,
+                                     aux_layers=self.aux_layers)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches)
         if batch.sample_indices.numel() == 0:
-            return hidden.new_zeros((0, self.config.vocab_size), dtype=torch.float32), batch, hidden
-        return self.model.compute_logits(hidden[batch.sample_indices]), batch, hidden
+            return hidden.new_zeros((0, self.config.vocab_size), dtype=torch.float32), batch, hidden, aux
+        return self.model.compute_logits(hidden[batch.sample_indices]), batch, hidden, aux
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         req_ids = [sr.request_id for sr in sched.scheduled]
         if sched.is_empty:
             return ModelRunnerOutput(req_ids, [])
-        logits, batch, hidden = self._forward(sched)
-        aux = self.model.aux_hidden_states if getattr(self.model, "aux_layers", None) else None
+        logits, batch, hidden, aux = self._forward(sched)
         prompt_logprobs = None
         if wants_prompt_logprobs(sched):
             prompt_logprobs = compute_prompt_logprobs(self.model, hidden, sched, batch.qo_indptr)
@@ -106,8 +113,12 @@ class ModelRunner:
 
     def set_aux_layers(self, ids) -> None:
         """From the next step on, ``execute`` also returns the target's states at layers ``ids``
-        (``ModelRunnerOutput.aux_hidden_states``; ``engine/model/aux_states.py``); None: stop."""
-        self.model.set_aux_layers(ids)
+        (``ModelRunnerOutput.aux_hidden_states``; ``engine/model/aux_states.py``); None: stop.
+        ValueError naming ``aux_layers`` for ids that are not layers of the model. A CUDA graph
+        wrapper is told too (its graphs are captured with the taps)."""
+        self.aux_layers = check_aux_layers(ids, self.config.num_hidden_layers)
+        if hasattr(self.model, "set_aux_layers"):
+            self.model.set_aux_layers(self.aux_layers)
 
     @staticmethod
     def _sampling_rows(sched: SchedulerOutput, num_samples: list[int]):

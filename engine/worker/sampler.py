@@ -169,8 +169,8 @@ def _accept_matching(target: list[int], rows: list[SamplingRow], starts: list[in
     """What ``rejection_sample`` returns when no request uses rejection (greedy or coupled rows,
     whose row targets are final): each request keeps its drafts up to the first that differs from
     its row's target, then emits that row's target. On the host: a plain decode step (no drafts)
-    or an all-greedy verify then costs one ``tolist`` instead of the kernel's tensors (~0.2 ms a
-    step at batch 1 on the CPU)."""
+    or an all-greedy verify then costs one ``tolist`` instead of the kernel's tensors (benches/
+    RESULTS.md, "Figures behind decisions in the source")."""
     out = []
     for r, s in zip(rows, starts):
         drafts = r.draft_token_ids or ()

@@ -1,8 +1,9 @@
 """How many threads torch uses on the CPU, chosen on purpose and reported at start-up.
 
 torch's default is one thread per logical CPU. On a shared 2-core machine whose other core is
-busy, two threads were measured 20x slower than one: an intra-op thread waiting for a core that
-another process holds stalls every GEMM. So the default is the number of *physical* cores this
+busy, two threads were many times slower than one (benches/RESULTS.md, "Figures behind decisions
+in the source"): an intra-op thread waiting for a core that another process holds stalls every
+GEMM. So the default is the number of *physical* cores this
 process may run on (affinity mask, cgroup CPU quota, SMT siblings counted once), minus the cores
 other processes keep busy (the 1-minute load average, read before the engine starts any work),
 and at least one. ``EngineConfig.num_threads`` overrides it.
@@ -70,10 +71,10 @@ def set_torch_threads(num_threads: int | None) -> int:
 @contextmanager
 def intra_op_threads(n: int) -> Iterator[None]:
     """``n`` intra-op threads inside, the engine's count restored after. Used by the EAGLE-3 drafter
-    (``engine.drafters.eagle3_proposer``): drafting at small batch is many tiny ops (a draft step at
-    batch 1: a few hundred microseconds), and every parallel op waits for all its threads: on a
-    busy 2-core machine a second thread made a draft step 10-40x slower (measured), so small
-    work runs on one thread and large catch-ups (a prompt) on the engine's count."""
+    (``engine.drafters.eagle3_proposer``): drafting at small batch is many tiny ops, and every
+    parallel op waits for all its threads: on a busy 2-core machine a second thread made a draft
+    step many times slower (benches/RESULTS.md, "Figures behind decisions in the source"), so
+    small work runs on one thread and large catch-ups (a prompt) on the engine's count."""
     before = torch.get_num_threads()
     if n == before:
         yield

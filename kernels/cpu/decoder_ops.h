@@ -79,15 +79,17 @@ static void rms_norm_row(const float *x, const float *w, int64_t h, float eps, f
 #endif
 }
 
-/* x = x * cos + roll(x, D/2) * sin (sin carries rotate_half's sign), for nh heads of D. */
-static void rope_heads(float *x, int64_t nh, int64_t d, const float *cos, const float *sin) {
+/* On the first rot dims of each of nh heads of D: x = x * cos + roll(x, rot/2) * sin (sin carries
+ * rotate_half's sign; cos/sin hold rot values); the other D - rot dims pass unchanged (partial
+ * rotary). */
+static void rope_heads(float *x, int64_t nh, int64_t d, int64_t rot, const float *cos, const float *sin) {
     float tmp[512];
-    const int64_t half = d / 2;
+    const int64_t half = rot / 2;
     for (int64_t hh = 0; hh < nh; hh++) {
         float *v = x + hh * d;
-        for (int64_t i = 0; i < d; i++) tmp[i] = v[i];
+        for (int64_t i = 0; i < rot; i++) tmp[i] = v[i];
         for (int64_t i = 0; i < half; i++) v[i] = tmp[i] * cos[i] + tmp[i + half] * sin[i];
-        for (int64_t i = half; i < d; i++) v[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
+        for (int64_t i = half; i < rot; i++) v[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
     }
 }
 

@@ -106,7 +106,7 @@ int tb_eagle3(const TbEagle3 *a) {
         const int64_t cap = a->seg_cap[s], at = a->seg_at[s], n = a->seg_rows[s];
         for (int64_t i = 0; i < n; i++) {
             const int64_t r = r0 + i, p = a->positions[r];
-            rope_heads(kb + r * kvsz, a->num_kv_heads, d, a->cos + p * d, a->sin + p * d);
+            rope_heads(kb + r * kvsz, a->num_kv_heads, d, d, a->cos + p * d, a->sin + p * d);
             memcpy(kv + (at + i) * kvsz, kb + r * kvsz, kvsz * sizeof(float));
             memcpy(kv + (cap + at + i) * kvsz, vb + r * kvsz, kvsz * sizeof(float));
         }
@@ -119,7 +119,7 @@ int tb_eagle3(const TbEagle3 *a) {
         rc |= tb_linear(&a->q, xo, ns, h2, qsz, q, 0, out_threads, &rows);
     for (int64_t s = 0; rc == 0 && s < ns; s++) {
         const int64_t p = a->positions[last[s]];
-        rope_heads(q + s * qsz, a->num_heads, d, a->cos + p * d, a->sin + p * d);
+        rope_heads(q + s * qsz, a->num_heads, d, d, a->cos + p * d, a->sin + p * d);
     }
     if (rc == 0) {
 #pragma omp parallel num_threads(out_threads)

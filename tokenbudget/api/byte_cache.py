@@ -1,7 +1,8 @@
 """A least-recently-used cache bounded by the bytes it holds, not by its number of entries.
 
-A count bound is no bound when one entry can be megabytes (a JSON schema with a 5 MB
-description: twenty of them kept ~350 MB alive after their requests ended). Each entry costs the
+A count bound is no bound when one entry can be megabytes (a JSON schema with a long
+description: twenty of them kept hundreds of megabytes alive after their requests ended;
+benches/RESULTS.md, "Figures behind decisions in the source"). Each entry costs the
 length of its key plus the length of its value (both strings); an entry larger than the whole
 budget is not kept. Thread-safe: grammars are compiled in request threads, not only in the
 engine's.

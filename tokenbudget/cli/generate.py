@@ -125,7 +125,7 @@ def _use_chat_template(llm, args) -> bool:
 
 def _stream_one(llm, prompt: str, params, chat: bool, compare: bool = True) -> int:
     if chat:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = llm.tokenizer.chat_prompt([{"role": "user", "content": prompt}])
     n_tokens, elapsed, decode_rate = _timed_run(llm.engine, "cli-0", prompt, params, echo=True)
     sys.stdout.write("\n")
     sys.stdout.flush()
@@ -173,13 +173,13 @@ def _read_inputs(path: str, llm, default_params, chat: bool):
             if isinstance(item, str):
                 item = {"prompt": item}
             if "messages" in item:
-                prompt = llm.tokenizer.apply_chat_template(item["messages"])
+                prompt = llm.tokenizer.chat_prompt(item["messages"])
             elif "prompt_token_ids" in item:
                 prompt = {"prompt_token_ids": item["prompt_token_ids"]}
             elif "prompt" in item:
                 prompt = item["prompt"]
                 if chat:
-                    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+                    prompt = llm.tokenizer.chat_prompt([{"role": "user", "content": prompt}])
             else:
                 raise ValueError(f"{path}:{lineno}: a line needs 'prompt', 'messages' or 'prompt_token_ids'")
             sp = item.get("sampling_params")

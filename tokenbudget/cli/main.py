@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         return int(args.run(args) or 0)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # a bad flag, input or model file: one line, no traceback
         print(f"tokenbudget: error: {exc}", file=sys.stderr)
         return 2
 

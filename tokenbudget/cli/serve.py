@@ -89,6 +89,13 @@ def run(args) -> int:
         options["cuda_graphs"] = True
     options["speculative_config"] = speculative_config_from_args(args)
     EngineConfig.from_kwargs(model=args.model, **options)  # a bad flag: ValueError before the port opens
+    if args.model is not None and os.path.exists(os.path.expanduser(args.model)):
+        # a bad local model file too: its header checks take milliseconds (a hub id is fetched by the load)
+        from tokenbudget.engine.loader import check_model_files
+        try:
+            check_model_files(args.model)
+        except (ValueError, OSError) as exc:  # worded as serve_replica words a failed load
+            raise ValueError(f"model: {exc}") from None
     name = args.served_model_name or served_name(args.model)
     from tokenbudget.engine.serve.limits import ServerLimits
     limits = ServerLimits(**{name: getattr(args, name) for name in ServerLimits.__struct_fields__})

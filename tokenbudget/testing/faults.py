@@ -1,7 +1,8 @@
 """Faults on demand, for testing the step transaction (``engine.core.engine_core``).
 
 ``FaultPlan`` says what fails; ``FaultInjectingRunner`` and ``FaultInjectingProposer`` wrap a
-runner or a proposer and raise ``InjectedFault`` (or ``KeyboardInterrupt``) accordingly:
+runner or a proposer, and ``fail_after_outputs`` the output processor of an engine core, and raise
+``InjectedFault`` (or ``KeyboardInterrupt``) accordingly:
 
 * ``transient``: the next N attempts that reach this point fail once each (a retry passes);
 * ``poisoned``: request ids whose presence in a batch makes it fail (request-attributable);
@@ -11,7 +12,8 @@ runner or a proposer and raise ``InjectedFault`` (or ``KeyboardInterrupt``) acco
 A runner fault fires either before the forward (``late=False``) or after it has written its KV
 (``late=True``), so rollbacks after a forward pass, which must not trust the written blocks, are
 exercised too; ``malformed=True`` returns a broken output instead of raising (the scheduler's
-validation in ``plan_update`` must catch it).
+validation in ``plan_update`` must catch it). An output-processor fault fires after the last stage
+before the commit has changed its state (every table of the step written).
 """
 
 from __future__ import annotations
@@ -93,3 +95,16 @@ class FaultInjectingProposer:
     def propose(self, requests, num_tokens):
         self.plan.check({r.request_id for r in requests}, "the proposer")
         return self.inner.propose(requests, num_tokens)
+
+
+def fail_after_outputs(core, plan: FaultPlan) -> None:
+    """Make ``core``'s output processor fail as ``plan`` says, after its ``prepare`` ran."""
+    outputs = core.outputs
+    prepare = outputs.prepare
+
+    def failing(step_plan, *args):
+        out = prepare(step_plan, *args)
+        plan.check({entry.request_id for entry in step_plan}, "the output processor (after it ran)")
+        return out
+
+    outputs.prepare = failing

@@ -1,46 +1,81 @@
-"""Everything a step may change, as one comparable value (to check that a rollback restores it).
+"""Everything a step may change, as one comparable value (to check that a rollback restores it),
+and the check that no table outlives its request.
 
-``state_fingerprint(core)`` covers the scheduler (requests' counters, tokens, drafts, status,
-queues and their order), the KV-cache manager (block tables, cached-block counts, prefix
-counters), the block pool (free-queue order, reference counts, hashes, evictions), the output
-processor (per-request tokens, logprobs, text state, speculation counters) and the speculator's
-metrics. ``TransactionChecker`` wraps an ``EngineCore`` so that every failed step attempt is
-compared with the state before it.
+``state_fingerprint(core)`` covers every ``RequestTable`` (the scheduler's requests, the block
+tables (ids and cached blocks; the hashes are a cache of the tokens), and ``EngineCore.tables``:
+the output states, the grammar matchers, the proposer's and the draft-length controller's
+records; each record by value), the scheduler's queues and their order, the block pool
+(free-queue order, reference counts, hashes, evictions), the prefix-cache counters and the
+speculator's metrics. ``TransactionChecker`` wraps an
+``EngineCore`` so that every failed step attempt is compared with the state before it.
 
 After a rollback from a fault *before* the forward pass the fingerprint must be identical. After
 a fault during or after the forward pass, two things may differ on purpose (``kv_cache.journal``):
-requests preempted by the failed step stay preempted, and prefix-cache hashes of blocks the failed
-step handed out stay evicted. ``compare_after_rollback`` checks exactly that.
+requests preempted by the failed step stay preempted (their scheduler record and block table),
+and prefix-cache hashes of blocks the failed step handed out stay evicted.
+``compare_after_rollback`` checks exactly that.
+
+``check_tables(core)``: between steps, every table holds only requests in flight (a finished
+request's records are released on the engine's one release path; a child's link to its parent
+until its final output was gathered).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
+
+from tokenbudget.kv_cache.block import KVBlock
+from tokenbudget.request_table import EngineRecord
+from tokenbudget.scheduler.request import Request, RequestStatus
+
+_SCALARS = (int, float, str, bytes, bool, type(None))
+_MOVES_ON_DIRTY = ("scheduler requests", "kv blocks")  # a preemption a dirty rollback keeps
+
+
+def record_value(x: Any, nested: bool = False) -> Any:
+    """A record as a comparable value: its fields, recursively; a request it points to by id, a
+    block by number, an object without fields (a detokenizer, a matcher, a tensor) by identity."""
+    if isinstance(x, _SCALARS):
+        return x
+    if isinstance(x, Request) and nested:
+        return ("request", x.request_id)
+    if isinstance(x, KVBlock):
+        return ("block", x.block_id)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (type(x).__name__,) + tuple(record_value(getattr(x, f.name), True) for f in dataclasses.fields(x))
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__,) + tuple(record_value(v, True) for v in x)
+    if isinstance(x, (set, frozenset)):
+        return ("set",) + tuple(sorted(repr(record_value(v, True)) for v in x))
+    if isinstance(x, dict):
+        return ("dict",) + tuple((repr(k), record_value(v, True)) for k, v in x.items())
+    return ("object", type(x).__name__, id(x))
+
+
+def table_fingerprint(core) -> dict[str, dict]:
+    sched = core.scheduler
+    out = {table.name: {repr(rid): record_value(rec) for rid, rec in table.items()}
+           for table in (sched.requests, *core.tables)}
+    out[sched.kv.requests.name] = {repr(rid): (tuple(rec.block_ids), rec.num_cached)
+                                   for rid, rec in sched.kv.requests.items() if rec.blocks}
+    return out
 
 
 def state_fingerprint(core) -> dict[str, Any]:
     sched = core.scheduler
     kv = sched.kv
     pool = kv.pool
-    requests = {
-        rid: (int(r.status), r.num_computed_tokens, tuple(r.all_token_ids), tuple(r.spec_token_ids),
-              r.spec_probs is not None, r.num_cached_tokens, r.num_preemptions, r.stop_reason)
-        for rid, r in sched.requests.items()}
-    outputs = {rid: st.snapshot()[:-1] + (st.detok.snapshot() if st.detok is not None else None,)
-               for rid, st in core.outputs.states.items()}
     return {
-        "requests": requests,
+        "tables": table_fingerprint(core),
         "running": [r.request_id for r in sched.running],
         "waiting": [r.request_id for r in sched.waiting],
-        "tables": {rid: tuple(ids) for rid, ids in kv.req_block_ids.items()},
-        "num_cached": dict(kv.req_num_cached),
         "prefix_counters": (kv.prefix_queries, kv.prefix_hits),
         "preemptions": sched.num_preemptions,
         "free_queue": tuple(pool.free_queue),
         "refs": tuple(b.ref_cnt for b in pool.blocks),
         "hashes": tuple(b.block_hash for b in pool.blocks),
         "evictions": pool.num_evictions,
-        "outputs": outputs,
         "spec_stats": repr(core.speculator.stats),
     }
 
@@ -51,21 +86,51 @@ def compare_after_rollback(before: dict, after: dict, dirty: bool) -> None:
         for key in before:
             assert after[key] == before[key], f"rollback changed {key}"
         return
-    preempted = {rid for rid, st in after["requests"].items()
-                 if st[0] == 2 and before["requests"].get(rid, (None,))[0] != 2}  # RequestStatus.PREEMPTED
-    for rid, st in before["requests"].items():
-        if rid not in preempted:
-            assert after["requests"][rid] == st, f"rollback changed request {rid}"
-            assert after["tables"].get(rid) == before["tables"].get(rid), f"rollback changed {rid}'s blocks"
-    for key in ("prefix_counters", "outputs", "spec_stats"):
+    requests_before = before["tables"]["scheduler requests"]
+    preempted = {rid for rid, rec in after["tables"]["scheduler requests"].items()
+                 if _status(rec) == RequestStatus.PREEMPTED
+                 and _status(requests_before.get(rid)) != RequestStatus.PREEMPTED}
+    for name, records in before["tables"].items():
+        now = after["tables"][name]
+        keep = preempted if name in _MOVES_ON_DIRTY else set()
+        assert {r: v for r, v in now.items() if r not in keep} == {r: v for r, v in records.items() if r not in keep}, (
+            f"rollback changed the table {name!r}")
+    for key in ("prefix_counters", "spec_stats"):
         assert after[key] == before[key], f"rollback changed {key}"
     for i, (h_before, h_after) in enumerate(zip(before["hashes"], after["hashes"])):
         assert h_after in (h_before, None), f"block {i} got a hash it did not have"
 
 
+def _status(value) -> int | None:
+    """A scheduler record's status (``record_value`` of a ``Request``)."""
+    if value is None:
+        return None
+    names = [f.name for f in dataclasses.fields(Request)]
+    return value[1 + names.index("status")]
+
+
+def check_tables(core) -> None:
+    """Between steps: no table holds a request that is not in flight (module docstring)."""
+    live = set(core.scheduler.requests)
+    for table in (core.scheduler.kv.requests, *core.tables):
+        if isinstance(table, EngineRecord):
+            continue
+        stale = set(table) - live
+        assert not stale, f"the table {table.name!r} still holds finished requests {sorted(stale)}"
+    outputs = core.outputs
+    assert set(outputs.children) <= live, f"links of finished children {sorted(set(outputs.children) - live)}"
+    assert set(outputs.parents) <= {outputs.parent_id(rid) for rid in live}, "a parent with no child in flight"
+
+
+class RollbackMismatch(BaseException):
+    """A failed attempt's rollback left the state other than it found it. Not an ``Exception``:
+    the engine retries and isolates those, which would swallow the verdict."""
+
+
 class TransactionChecker:
     """Wraps ``core._attempt``: after every failed attempt, compare the state with the one
-    before it (``compare_after_rollback``). ``dirty`` is whether the runner was reached."""
+    before it (``compare_after_rollback``; a mismatch raises ``RollbackMismatch`` out of the
+    step). ``dirty`` is whether the runner was reached."""
 
     def __init__(self, core) -> None:
         self.core = core
@@ -87,7 +152,10 @@ class TransactionChecker:
                 return inner_attempt(only)
             except BaseException:
                 if core.dead is None:
-                    compare_after_rollback(before, state_fingerprint(core), self._reached_runner)
+                    try:
+                        compare_after_rollback(before, state_fingerprint(core), self._reached_runner)
+                    except AssertionError as mismatch:
+                        raise RollbackMismatch(str(mismatch)) from mismatch
                     self.num_checked += 1
                 raise
 

@@ -4,16 +4,19 @@ fake drafter, with injected faults and a fault-free twin.
 Rules add requests (random prompts, shared prefixes, priorities, limits), add bad ones (which
 must raise ValueError and change nothing), abort, step with random drafts and acceptance, and
 inject faults (``testing.faults``): transient ones, ones tied to a request (in the
-runner or the proposer, before or after the forward pass, or a malformed runner output), and,
+runner or the proposer, before or after the forward pass, after the output processor, or a
+malformed runner output), and,
 rarely, an engine-wide one that must kill the engine cleanly (and only it, or steps in a row
 of requests that are all tied to faults, may). The twin gets the same requests,
 aborts and steps without faults.
 
 Checked after every rule: the design's invariants 1-7 (the harness, every step), every failed
-step attempt rolled back (``fingerprint.TransactionChecker``), every finished request's tokens
-equal its solo run (invariant 8) and the twin's, and only requests tied to a fault ended with an
-error. At teardown both are drained: every request not aborted and not tied to a fault finished
-normally with the same tokens in both, and every block is free.
+step attempt rolled back, every table included (``fingerprint.TransactionChecker``: fingerprints
+before and after), no table holding a request that is not in flight (``fingerprint.check_tables``),
+every finished request's tokens equal its solo run (invariant 8) and the twin's, and only
+requests tied to a fault ended with an error. At teardown both are drained: every request not
+aborted and not tied to a fault finished normally with the same tokens in both, and every block
+is free.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from tokenbudget.api.errors import EngineDeadError
 from tokenbudget.scheduler.config import SchedulerConfig
 from tokenbudget.testing.fake_model import FakeModelSpec
-from tokenbudget.testing.faults import FaultInjectingProposer, FaultInjectingRunner, FaultPlan
-from tokenbudget.testing.fingerprint import TransactionChecker
+from tokenbudget.testing.faults import FaultInjectingProposer, FaultInjectingRunner, FaultPlan, fail_after_outputs
+from tokenbudget.testing.fingerprint import TransactionChecker, check_tables
 from tokenbudget.testing.harness import Harness
 from tokenbudget.testing.strategies import request_specs, scheduler_configs
 
@@ -49,9 +52,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(config=scheduler_configs(), seed=st.integers(0, 2**16))
     def setup(self, config: SchedulerConfig, seed: int) -> None:
         config = self.fixed_config or config
-        self.runner_faults, self.proposer_faults = FaultPlan(), FaultPlan()
+        self.runner_faults, self.proposer_faults, self.output_faults = FaultPlan(), FaultPlan(), FaultPlan()
         self.h = Harness(config, SPEC, seed=seed, wrap_runner=lambda r: FaultInjectingRunner(r, self.runner_faults))
         self.h.core.speculator.proposer = FaultInjectingProposer(self.h.drafter, self.proposer_faults)
+        fail_after_outputs(self.h.core, self.output_faults)
         self.checker = TransactionChecker(self.h.core)
         self.twin = Harness(config, SPEC, seed=seed)
 
@@ -61,7 +65,10 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @property
     def poisoned(self) -> set[str]:
-        return self.runner_faults.poisoned | self.proposer_faults.poisoned
+        return self.runner_faults.poisoned | self.proposer_faults.poisoned | self.output_faults.poisoned
+
+    def _plan(self, where: str) -> FaultPlan:
+        return {"proposer": self.proposer_faults, "outputs": self.output_faults}.get(where, self.runner_faults)
 
     def alive(self) -> bool:
         return self.h is not None and not self.dead
@@ -153,21 +160,21 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._check_dead()
 
     @precondition(alive)
-    @rule(where=st.sampled_from(["runner", "runner_late", "proposer"]))
+    @rule(where=st.sampled_from(["runner", "runner_late", "proposer", "outputs"]))
     def transient_fault(self, where: str) -> None:
         """The next attempt fails: the step's retry absorbs it. (A fault that outlives the retry
         is indistinguishable from one tied to the requests isolation tries next.)"""
-        plan, other = ((self.proposer_faults, self.runner_faults) if where == "proposer"
-                       else (self.runner_faults, self.proposer_faults))
+        plan = self._plan(where)
         plan.late = where == "runner_late"
-        plan.transient, other.transient = 1, 0  # one one-shot fault at a time
+        for p in (self.runner_faults, self.proposer_faults, self.output_faults):
+            p.transient = 1 if p is plan else 0  # one one-shot fault at a time
         self.runner_faults.malformed = False
 
     @precondition(lambda self: self.alive() and self.h.scheduler.requests)
-    @rule(data=st.data(), where=st.sampled_from(["runner", "runner_late", "proposer"]))
+    @rule(data=st.data(), where=st.sampled_from(["runner", "runner_late", "proposer", "outputs"]))
     def poison_a_request(self, data, where: str) -> None:
         rid = data.draw(st.sampled_from(sorted(self.h.scheduler.requests)))
-        plan = self.proposer_faults if where == "proposer" else self.runner_faults
+        plan = self._plan(where)
         plan.late = where == "runner_late"
         plan.poisoned.add(rid)
 
@@ -175,7 +182,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def malformed_output(self) -> None:
         self.runner_faults.malformed = True  # a one-shot fault: the only one pending
-        self.runner_faults.transient = self.proposer_faults.transient = 0
+        self.runner_faults.transient = self.proposer_faults.transient = self.output_faults.transient = 0
 
     @precondition(lambda self: self.alive() and self.h.scheduler.requests)
     @rule(data=st.data())
@@ -217,6 +224,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert core.abort_request("no-such-request") is None
 
     # ---- checks
+    @invariant()
+    def tables_hold_only_requests_in_flight(self) -> None:
+        if self.h is not None:
+            check_tables(self.h.core)
+            check_tables(self.twin.core)
+
     @invariant()
     def matches_its_twin(self) -> None:
         if self.h is None:

@@ -2,10 +2,10 @@
 
 ``"auto"`` picks bfloat16 on CPUs with AVX512-BF16 or AMX, float32 elsewhere (without them torch
 emulates bfloat16 and is slower than float32). Only matmuls run in bfloat16: the residual stream,
-norms, the loss, the master weights and the optimizer stay float32. Measured on an AMD EPYC with
-AVX512-BF16 (2 threads): a 4096-token training batch 1.96 -> 0.88 s, the tap-state forward 770 ->
-2100 tokens/s, and the tap states differ from float32 by 0.8 % (relative L2 per token), less than
-the engine's int4 states (what the head reads when it serves) differ from either.
+norms, the loss, the master weights and the optimizer stay float32. On an AMD EPYC with
+AVX512-BF16 a training batch and the tap-state forward run about twice as fast, and the tap
+states differ from float32 less than the engine's int4 states (what the head reads when it
+serves) differ from either (benches/RESULTS.md, "Figures behind decisions in the source").
 """
 
 from __future__ import annotations

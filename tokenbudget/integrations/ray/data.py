@@ -114,7 +114,7 @@ class TokenbudgetStage:
     def _prompt(self, row: dict[str, Any]):
         if row.get("messages") is not None:
             messages = [dict(m) for m in row["messages"]]
-            return self.llm.tokenizer.apply_chat_template(messages)
+            return self.llm.tokenizer.chat_prompt(messages)
         if row.get("prompt_token_ids") is not None:
             return {"prompt_token_ids": [int(t) for t in row["prompt_token_ids"]]}
         prompt = row.get("prompt")
@@ -122,7 +122,7 @@ class TokenbudgetStage:
             raise ValueError("a row needs 'prompt', 'messages' or 'prompt_token_ids'")
         prompt = str(prompt)
         if self.config.apply_chat_template:
-            prompt = self.llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            prompt = self.llm.tokenizer.chat_prompt([{"role": "user", "content": prompt}])
         return prompt
 
 
