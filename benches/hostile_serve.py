@@ -5,17 +5,18 @@ loaded from this process.
     PYTHONPATH=. python benches/hostile_serve.py [--num-threads 1] [--max-tokens 64]  # issue 22
 
 ``--attacks`` (issue 47; ``benches/hostile_attacks.py`` has them): for each attack a fresh server,
-then a neighbour's greedy stream alone for a few seconds (its TPOT: the mean gap between its
-tokens), then the attack for ``--window`` seconds (slow-loris: the time it holds its
-connections) while the neighbour streams on and ``/health`` is polled from this process, then
-the neighbour alone again: the neighbour's TPOT during the attack against alone (the mean of the
-windows before and after: the machine's other load drifts), the longest ``/health`` answer (and
-how many failed), what the attacker got, the server's RSS before, at its peak (``VmHWM``) and
-3 s after the attack is cut and the neighbour stopped. A gap that the attack's end cut short
-counts as it was (a lower bound), so a frozen server shows as one long gap. ``none`` (first in
-``all``) is the control: the same windows, no attack. ``--server-python`` runs the server from
-another checkout (the "before" column: main). Timings are noisy on a shared machine: compare
-ratios.
+then a neighbour's greedy streams (``--neighbour-tokens`` each, one after another, so its context
+and TPOT stay put) alone for a few seconds (its TPOT: the mean gap between its tokens), then the
+attack for ``--window`` seconds (slow-loris: the time it holds its connections) while the
+neighbour streams on and ``/health`` is polled from this process, then the neighbour alone
+again: the neighbour's TPOT during the attack against alone (the mean of the windows before and
+after: the machine's other load drifts), the longest ``/health`` answer (and how many failed),
+what the attacker got, the server's RSS before, at its peak (``VmHWM``) and 3 s after the attack
+is cut and the neighbour stopped. A gap that the attack's end cut short counts as it was (a
+lower bound), so a frozen server shows as one long gap. ``none`` (first in ``all``) is the
+control: the same windows, no attack. ``--server-python`` runs the server from another checkout
+(the "before" column: main; run it from outside this checkout, whose ``tokenbudget`` folder
+would shadow the other's). Timings are noisy on a shared machine: compare ratios.
 
 Without ``--attacks`` (issue 22):
 1. ``/health`` latency (polled every 20 ms from this process, so it includes this process's own
@@ -184,8 +185,8 @@ class Neighbour(threading.Thread):
                     gaps.append(b - a)
                 elif start <= a <= end < b:
                     gaps.append(end - a)
-            if times and start <= times[-1] <= end and times is self.streams[-1]:
-                gaps.append(end - times[-1])  # still waiting for its next token at ``end``
+            if times and times[-1] <= end and times is self.streams[-1] and self.is_alive():
+                gaps.append(end - max(times[-1], start))  # still waiting for its next token at ``end``
         return statistics.mean(gaps) if gaps else float("nan")
 
 
@@ -222,7 +223,7 @@ def attack_row(name: str, args) -> dict:
         addr = ("127.0.0.1", int(url.rsplit(":", 1)[1]))
         greedy(url, 4)
         httpx.post(f"{url}{CHAT}", json=CHEAP_STRUCTURED, timeout=600)  # the grammar backend: built once, not counted
-        neighbour = Neighbour(url, args.max_model_len - 16)
+        neighbour = Neighbour(url, args.neighbour_tokens)
         neighbour.start()
         time.sleep(args.alone)
         before = (time.perf_counter() - args.alone + 0.5, time.perf_counter())
@@ -292,6 +293,8 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=15.0, help="seconds each attack runs at most")
     ap.add_argument("--hold", type=float, default=35.0, help="seconds slow-loris holds its connections")
     ap.add_argument("--alone", type=float, default=4.0, help="seconds the neighbour streams alone first")
+    ap.add_argument("--neighbour-tokens", type=int, default=256,
+                    help="tokens per neighbour stream (then a new one: its TPOT grows with its length)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     if args.attacks:

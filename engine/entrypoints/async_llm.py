@@ -251,7 +251,7 @@ class AsyncLLM:
                     if idle:
                         self._stepping = False
                 if idle:
-                    release_free_memory()  # what the finished requests (grammars, ...) held
+                    release_free_memory(collect=True)  # what finished requests and connections held
                     return
         except BaseException as exc:  # a dead engine, or a bug in the loop itself: no stream may hang on it
             if not isinstance(exc, EngineDeadError):

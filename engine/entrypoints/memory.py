@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 
 TRIM_AFTER_BYTES = 256 << 10  # a request body this large: its transient allocations are worth giving back
 
@@ -25,7 +26,11 @@ def _malloc_trim():
         return None
 
 
-def release_free_memory() -> None:
+def release_free_memory(collect: bool = False) -> None:
+    """``collect``: first free the garbage in reference cycles too (``gc.collect()``: tens of
+    milliseconds holding the GIL on a large heap, so only where nothing else runs)."""
+    if collect:
+        gc.collect()
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
