@@ -16,6 +16,15 @@ wheels=(.whl/*.whl)
 if (( ${#wheels[@]} )); then
     "$py" -m pip install -q --no-index --no-deps --no-cache-dir "${wheels[@]}"
 fi
+# --no-build-isolation (no index to fetch a build backend from): the interpreter's own setuptools
+# builds the editable install, and it needs bdist_wheel (setuptools >= 70.1, or the `wheel`
+# package); a stock Python 3.11 venv has setuptools 65.5 without `wheel`. Carry setuptools in .whl.
+if ! "$py" -c "import setuptools.command.bdist_wheel" 2>/dev/null && ! "$py" -c "import wheel" 2>/dev/null; then
+    echo "gpu_check.sh: $("$py" -c 'import setuptools; print("setuptools", setuptools.__version__)' 2>&1 | tail -1)" \
+         "cannot build the editable install offline (no bdist_wheel): carry 'setuptools>=70.1' in .whl" \
+         "(docs/cuda.md, 'The one command')" >&2
+    exit 2
+fi
 "$py" -m pip install -q --no-index --no-deps --no-build-isolation -e .
 case " $* " in
     *" --device cpu "*|*" --device=cpu "*)

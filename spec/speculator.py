@@ -119,7 +119,7 @@ class Speculator:
             return self._merge_free(decoding, ks, free)
         reqs = [r for r, _ in chosen]
         proposal = self._note(self.proposer.propose(reqs, [k for _, k in chosen]))
-        self._drafter_work = (len(reqs), sum(map(len, proposal.token_ids)))
+        self._drafter_work = _model_work(proposal)
         return DraftBatch([r.request_id for r in reqs], proposal.token_ids, proposal.probs)
 
     def _note(self, proposal: Proposal) -> Proposal:
@@ -133,7 +133,11 @@ class Speculator:
         model = [(r, k) for r, k, f in zip(decoding, ks, free.token_ids) if k > 0 and not f]
         proposal = self._note(self.proposer.propose([r for r, _ in model], [k for _, k in model])) if model else None
         tokens = proposal.token_ids if proposal is not None else []
-        self._drafter_work = (len(model), sum(map(len, tokens)))
+        if proposal is not None:
+            self._drafter_work = _model_work(proposal)
+            taken = {r.request_id: kind for (r, _), kind in zip(model, proposal.kinds or ()) if kind is not None}
+            if taken:  # free drafts the drafter found at the smaller k: the controller learns them as theirs
+                self._drafted = (self._drafted[0], [taken.get(rid, kd) for rid, kd in zip(*self._drafted)])
         probs = (proposal.probs if proposal is not None else None) or [None] * len(model)
         drafted = iter(zip(tokens, probs))
         ids, out, out_probs = [], [], []
@@ -172,6 +176,15 @@ class Speculator:
         """After the release of the request's records (the engine core's one release path)."""
         if self.proposer is not None:
             self.proposer.on_finished(request)
+
+
+def _model_work(proposal: Proposal) -> tuple[int, int]:
+    """(requests, draft rows) a model drafter ran for in ``proposal``: its non-empty drafts, not the
+    free drafts it took instead (those have a kind: EAGLE-3 with suffix decoding takes a suffix
+    draft long enough for the k it was asked, which may be shorter than the cap it was offered at)."""
+    kinds = proposal.kinds or [None] * len(proposal.token_ids)
+    own = [len(t) for t, kind in zip(proposal.token_ids, kinds) if t and kind is None]
+    return len(own), sum(own)
 
 
 def _base_shape(scheduler, decoding) -> StepShape:

@@ -110,9 +110,11 @@ def _tokenizer(w: gguf.GGUFWriter, tokenizer_dir: str, vocab_size: int) -> None:
     w.add_eos_token_id(vocab["</s>"])
 
 
-def write_family_gguf(path: str, family: str, tokenizer_dir: str, quant: bool = False, seed: int = 0):
+def write_family_gguf(path: str, family: str, tokenizer_dir: str, quant: bool = False, seed: int = 0,
+                      sampling: dict | None = None):
     """Write ``family``'s tiny model (``make_family_model`` with the case's overrides) to ``path``;
-    returns the transformers model whose weights the file holds."""
+    returns the transformers model whose weights the file holds. ``sampling``: llama.cpp's
+    ``general.sampling.*`` keys to add (``{"temp": 0.6}`` -> ``add_sampling_temp(0.6)``)."""
     arch, overrides = GGUF_CASES[family]
     model, cfg = make_family_model(family, seed, **overrides)
     sd = {k: v.detach().float() for k, v in model.state_dict().items()}
@@ -121,6 +123,8 @@ def write_family_gguf(path: str, family: str, tokenizer_dir: str, quant: bool = 
     w = gguf.GGUFWriter(path, arch)
     _metadata(w, arch, cfg)
     _tokenizer(w, tokenizer_dir, cfg.vocab_size)
+    for key, value in (sampling or {}).items():
+        getattr(w, f"add_sampling_{key}")(value)
     if arch == "phi3":
         rope = cfg.rope_parameters
         w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))

@@ -169,3 +169,17 @@ def test_serve_with_a_missing_model_exits_2_with_one_line(tmp_path) -> None:
     assert res.returncode == 2, res.stderr
     assert "tokenbudget: error: model:" in res.stderr and str(missing) in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_version_and_plain_help(capsys) -> None:
+    """``tokenbudget --version`` prints the installed version (pyproject's, through the package
+    metadata) and exits 0; the top-level help is plain text (no reST ``quotes``)."""
+    import importlib.metadata
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tokenbudget {importlib.metadata.version('tokenbudget')}"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "``" not in capsys.readouterr().out

@@ -3,8 +3,9 @@
 ``PYTHONPATH=. python benches/gpu_check.py`` failed with ``No module named 'tokenbudget.engine'``
 (the folders map into ``tokenbudget.*`` only when installed) and the GPU machine has no package
 registry. Here the documented command, ``bash benches/gpu_check.sh ...``, runs in a copy of the
-tracked files with a fresh virtual environment (system site-packages: the image's torch & co;
-no tokenbudget of its own), pip's index switched off and every proxy pointing at a closed port,
+tracked files with a fresh virtual environment (seeing this interpreter's site-packages, as the
+image's torch & co, through a ``.pth``; no tokenbudget of its own: the outer editable install's
+finder is not activated from there), pip's index switched off and every proxy pointing at a closed port,
 so any download attempt fails. ``--device cpu`` stands in for the GPU; the script's install
 steps are the same.
 """
@@ -40,9 +41,14 @@ def test_documented_gpu_command_runs_offline_from_a_fresh_tree(tmp_path):
     tree, venv, out = tmp_path / "tree", tmp_path / "venv", tmp_path / "out"
     _fresh_tree(tree)
     base = getattr(sys, "_base_executable", sys.executable)
-    subprocess.run([base, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
-                   check=True, timeout=120)
+    subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
+    # this interpreter's packages (a venv's, not only the base Python's, which --system-site-packages
+    # would give): paths only, so their .pth files (the outer editable install) stay inactive
+    inner_site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                                capture_output=True, text=True, check=True).stdout.strip()
+    outer = [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+    Path(inner_site, "outer_site.pth").write_text("".join(f"{p}\n" for p in outer))
     dead = "http://127.0.0.1:9"  # nothing listens: a download attempt fails at once
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env |= {"PYTHON": str(py), "PIP_NO_INDEX": "1", "http_proxy": dead, "https_proxy": dead,

@@ -80,7 +80,7 @@ CASES = [
     ("schema-600-optional-properties-too-complex", CHAT, chat(response_format=json_schema(
         {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}})), 400, "response_format"),
     ("model-name-10MB", COMPLETIONS, {"model": "m" * (10 << 20), "prompt": "hi"}, 413, None),
-    ("model-name-1MB", COMPLETIONS, {"model": "m" * (1 << 20), "prompt": "hi"}, 400, "model"),
+    ("model-name-1MB", COMPLETIONS, {"model": "m" * (1 << 20), "prompt": "hi"}, 404, "model"),
     ("prompt-30MB", COMPLETIONS, {"prompt": "a" * (30 << 20), "max_tokens": 1}, 413, None),
     ("prompt-3MB-past-the-context-in-bytes", COMPLETIONS, {"prompt": "a" * (3 << 20), "max_tokens": 1}, 400, "prompt"),
     ("chat-3MB-past-the-context-in-bytes", CHAT, {"messages": [{"role": "user", "content": "é" * (1 << 20)}]}, 400,

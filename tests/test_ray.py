@@ -68,7 +68,7 @@ def test_two_actors_match_offline_generate_and_bad_rows_carry_their_error(cluste
     rows.append({"id": 99, "prompt": "bad", "sampling_params": {"temperature": -1.0}})
     config = ProcessorConfig(engine_options=dict(ENGINE_OPTS, speculative_config=SPEC),
                              sampling_params={"max_tokens": MAX_TOKENS, "temperature": 0},
-                             concurrency=2, batch_size=8, num_cpus=1)
+                             concurrency=2, batch_size=8, num_cpus=1, apply_chat_template=False)
     out = {row["id"]: row for row in build_processor(config)(ray.data.from_items(rows)).take_all()}
 
     assert sorted(out) == list(range(32)) + [99]
@@ -88,6 +88,44 @@ def test_two_actors_match_offline_generate_and_bad_rows_carry_their_error(cluste
     assert sum(out[i]["num_draft_tokens"] for i in range(32)) > 0  # speculation ran, per row
     bad = out[99]
     assert bad["finish_reason"] == "error" and "temperature" in bad["error"] and bad["generated_text"] == ""
+
+
+def test_the_documented_snippet_runs_on_two_cpus_and_templates_chat_prompts(cluster, tmp_path):
+    """docs/scaling.md's snippet as written (``read_json`` -> ``write_parquet``, no
+    ``concurrency``/``num_cpus``) on the 2-CPU cluster: sized to one actor of 1 CPU, it finishes
+    (4 actors or 4 CPUs each would wait forever), and a chat model's ``prompt`` strings go through
+    its chat template as ``tokenbudget generate`` does (the offline ``LLM.chat`` texts)."""
+    prompts = ["What is the capital of France?", "Name a primary colour.", "Say hello."]
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    sampling = {"max_tokens": MAX_TOKENS, "temperature": 0}
+    processor = build_processor(ProcessorConfig(engine_options=dict(ENGINE_OPTS, speculative_config=SPEC),
+                                                sampling_params=sampling))
+    processor(ray.data.read_json(str(src))).write_parquet(str(tmp_path / "out"))
+    rows = {r["prompt"]: r for r in ray.data.read_parquet(str(tmp_path / "out")).take_all()}
+
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    reference = LLM(None, **ENGINE_OPTS).chat(chats, SamplingParams(**sampling), use_tqdm=False)
+    assert sorted(rows) == sorted(prompts)
+    for p, ref in zip(prompts, reference):
+        assert rows[p]["error"] == "" and rows[p]["generated_text"] == ref.outputs[0].text
+        assert rows[p]["num_input_tokens"] == len(ref.prompt_token_ids)
+
+
+def test_an_actor_no_node_can_hold_is_refused_before_ray_runs_it(cluster):
+    """Ray would leave an actor of 4 CPUs pending forever on 2 CPUs: a ValueError naming
+    ``num_cpus`` instead, when the processor is applied (nothing scheduled)."""
+    processor = build_processor(ProcessorConfig(engine_options=ENGINE_OPTS, num_cpus=4))
+    with pytest.raises(ValueError, match="num_cpus=4"):
+        processor(ray.data.from_items([{"prompt": "x"}]))
+
+
+def test_a_missing_model_or_bad_option_is_the_stages_own_error(tmp_path):
+    """Raised by ``build_processor``, as the error it is, not inside Ray's actor-death traceback."""
+    with pytest.raises(FileNotFoundError, match="nowhere.gguf"):
+        build_processor(ProcessorConfig(model=str(tmp_path / "nowhere.gguf")))
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        build_processor(ProcessorConfig(engine_options={"max_num_seqs": 0}))
 
 
 def test_two_replicas_serve_and_scale_down_drains(serve_url):

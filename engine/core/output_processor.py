@@ -22,12 +22,12 @@ of the first step that ran the request (``prepare(plan, step_start)``), token ti
 As in vLLM, a request stopped by EOS or a stop token keeps that token in its
 token ids but not in its text, unless ``include_stop_str_in_output``.
 
-Logprobs become vLLM's ``{token_id: Logprob(logprob, rank, decoded_token)}`` dicts (the token
-decoded alone, special tokens kept); prompt logprobs arrive chunk by chunk and ride on the
-request's first output (every output for CUMULATIVE). ``n > 1``: children's outputs are gathered
-into their parent's (``engine.core.parallel_sampling``) by ``gather``, after the step commits: a
-child's link to its parent (``children``) lives until its final output was gathered, the parent
-(``parents``) until every child's was.
+Logprobs become vLLM's ``{token_id: Logprob(logprob, rank, decoded_token)}`` dicts (the token's
+string as vLLM gives it, ``engine.text.token_strings``; special tokens kept); prompt logprobs
+arrive chunk by chunk and ride on the request's first output (every output for CUMULATIVE).
+``n > 1``: children's outputs are gathered into their parent's (``engine.core.parallel_sampling``)
+by ``gather``, after the step commits: a child's link to its parent (``children``) lives until its
+final output was gathered, the parent (``parents``) until every child's was.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
 from tokenbudget.engine.core.parallel_sampling import ParentRequest
 from tokenbudget.engine.core.request_state import RequestState, add_text, text_drops_stop_token
 from tokenbudget.engine.text.detokenizer import IncrementalDetokenizer
+from tokenbudget.engine.text.token_strings import MAX_CONTEXT, token_string
 from tokenbudget.engine.text.tokenizer import Tokenizer
 from tokenbudget.request_table import RequestTable
 from tokenbudget.scheduler.output import EngineCoreOutput
@@ -166,13 +167,15 @@ class OutputProcessor:
         return result
 
     # ---- internals
-    def _logprob_dict(self, state: RequestState, token: int, lp) -> dict[int, Logprob]:
-        """vLLM's entry: the token first, then the top k with their ranks 1..k; each token
-        decoded alone, special tokens kept (None without detokenization)."""
+    def _logprob_dict(self, state: RequestState, token: int, lp, context: list[int]) -> dict[int, Logprob]:
+        """vLLM's entry: the token first, then the top k with their ranks 1..k; each token's
+        string read after the sampled tokens ``context`` before it (``token_strings``: a part of a
+        multi-byte character is "" until the token that completes it; special tokens kept; None
+        without detokenization)."""
         tok = self.tokenizer if state.detok is not None else None
 
         def decode(t: int) -> str | None:
-            return None if tok is None else tok.decode([t], skip_special_tokens=False)
+            return None if tok is None else token_string(tok, t, context)
         item = {token: Logprob(float(lp.logprob), int(lp.rank), decode(token))}
         for rank, (t, v) in enumerate(lp.top, 1):
             item[int(t)] = Logprob(float(v), rank, decode(int(t)))
@@ -188,7 +191,7 @@ class OutputProcessor:
         if skip < 0:
             raise RuntimeError(f"{state.request.request_id}: prompt logprobs from token {first}, {len(have)} held")
         prompt = state.request.prompt_token_ids
-        state.prompt_logprobs = have + [self._logprob_dict(state, prompt[i], lp)
+        state.prompt_logprobs = have + [self._logprob_dict(state, prompt[i], lp, prompt[max(0, i - MAX_CONTEXT):i])
                                         for i, lp in enumerate(entries[skip:], first + skip)]
 
     def _add_tokens(self, state: RequestState, entry: EngineCoreOutput) -> None:
@@ -205,8 +208,10 @@ class OutputProcessor:
             state.accepted_per_pos = tuple(per_pos)
         if state.logprobs is not None and entry.new_logprobs:
             added = []
+            context = [next(iter(d)) for d in state.logprobs[-MAX_CONTEXT:]]  # the sampled tokens before
             for token, lp in zip(entry.new_token_ids, entry.new_logprobs):
-                added.append(self._logprob_dict(state, token, lp))
+                added.append(self._logprob_dict(state, token, lp, context[-MAX_CONTEXT:]))
+                context.append(token)
                 state.cumulative_logprob += float(lp.logprob)
             state.logprobs = state.logprobs + added
 

@@ -137,13 +137,13 @@ class Eagle3Proposer(BaseProposer):
         active = [i for i, k in enumerate(ks) if k > 0]
         states = {i: self._state_of(requests[i]) for i in active}
         self._catch_up(requests, states)
-        receipt = None
+        receipt, kinds = None, None
         if self.suffix is not None and active:
             free = self.free_drafts([requests[i] for i in active], [ks[i] for i in active])
-            receipt = free.receipt
-            for i, f in zip(list(active), free.token_ids):
+            receipt, kinds = free.receipt, [None] * len(requests)
+            for i, f, kind in zip(list(active), free.token_ids, free.kinds):
                 if f:
-                    drafts[i], probs[i] = f, None
+                    drafts[i], probs[i], kinds[i] = f, None, kind
                     active.remove(i)
         # Draft 1 from the row at L - 2 (a request whose last committed position has no tap
         # state gets no drafts this step: never wrong, and rare).
@@ -163,7 +163,7 @@ class Eagle3Proposer(BaseProposer):
                     hidden[i] = h[r]
                 self.num_draft_forward_tokens += len(rows)
                 self._sampler.sample(out, requests, rows, drafts, probs, greedy)
-        return Proposal(drafts, [torch.stack(p) if p else None for p in probs], receipt=receipt)
+        return Proposal(drafts, [torch.stack(p) if p else None for p in probs], kinds=kinds, receipt=receipt)
 
     def free_drafts(self, requests: Sequence[Request], caps: Sequence[int]) -> Proposal:
         """Suffix decoding's drafts (up to ``caps``) where they are long, with their kinds

@@ -90,7 +90,7 @@ class AsyncLLM:
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"duplicate request_id {rid!r}: a request with this id is still running")
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None else self.engine.get_default_sampling_params()
         kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.CUMULATIVE
         if isinstance(params, SamplingParams) and kind != RequestOutputKind.FINAL_ONLY:
             params = msgspec.structs.replace(params, output_kind=RequestOutputKind.DELTA)  # streams merge
@@ -138,12 +138,14 @@ class AsyncLLM:
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
              request_id: str | None = None, add_generation_prompt: bool = True, *,
              continue_final_message: bool = False, chat_template: str | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> RequestStream:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> RequestStream:
         """``add_request`` with the model's chat template applied to ``messages`` (the arguments
         as ``LLM.chat``'s; a bad template, kwargs or limit raises ValueError here)."""
         prompt = self.tokenizer.chat_prompt(messages, add_generation_prompt=add_generation_prompt,
                                             continue_final_message=continue_final_message,
-                                            chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+                                            chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+                                            tools=tools)
         return self.add_request(request_id, prompt, sampling_params)
 
     def abort(self, request_id: str) -> None:

@@ -37,6 +37,11 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` / ``chat`` use without ``sampling_params``: the model's recommended
+        sampling (its generation config) over the neutral defaults, as vLLM's ``LLM``."""
+        return self.engine.get_default_sampling_params()
+
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
@@ -50,7 +55,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            params = [SamplingParams()] * len(prompts)
+            params = [self.get_default_sampling_params()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -78,15 +83,18 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template (or ``chat_template``) to one conversation (or a list of
         them) and generate; the arguments are vLLM's (``chat_template_kwargs``: extra template
-        variables such as Qwen3's ``enable_thinking``). Every conversation is rendered and checked
-        before any is queued."""
+        variables such as Qwen3's ``enable_thinking``; ``tools``: JSON-schema tools for the
+        template, as transformers passes them). Every conversation is rendered and checked before
+        any is queued."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.chat_prompt(c, add_generation_prompt=add_generation_prompt,
                                               continue_final_message=continue_final_message,
-                                              chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+                                              chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+                                              tools=tools)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

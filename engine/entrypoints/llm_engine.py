@@ -13,6 +13,7 @@ step loop and its fault handling are ``engine.core.engine_core``; text handling 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from tokenbudget.api.config import EngineConfig
@@ -21,9 +22,12 @@ from tokenbudget.api.sampling_params import SamplingParams
 from tokenbudget.engine.core.prompts import PromptInput, make_request
 from tokenbudget.engine.core.stats import EngineStats, check_admission, request_grammar_ms
 from tokenbudget.engine.core.wiring import load_and_wire
+from tokenbudget.engine.loader.generation_defaults import describe, sampling_defaults
 from tokenbudget.engine.loader.target import TargetModel
 from tokenbudget.engine.worker.keyed_random import mix64
 from tokenbudget.scheduler.validation import check_request_fits
+
+logger = logging.getLogger("tokenbudget")
 
 
 class LLMEngine:
@@ -45,6 +49,13 @@ class LLMEngine:
         self.target = wired.target
         self.tokenizer = wired.target.tokenizer
         self.model_config = wired.target.config
+        # the model's recommended sampling for the fields a request leaves unset (vLLM's
+        # --generation-config auto; engine/loader/generation_defaults.py)
+        self.sampling_defaults = sampling_defaults(self.target.source) if config.generation_config == "auto" else {}
+        if self.sampling_defaults:
+            logger.info("tokenbudget: sampling defaults from the model's generation config: %s (where a request "
+                        "does not set them; generation_config='none' / --generation-config none for the "
+                        "engine's)", describe(self.sampling_defaults))
         self._num_added = 0  # requests accepted so far: keys the seed of each unseeded one
 
     # ------------------------------------------------------------------ parts
@@ -65,12 +76,17 @@ class LLMEngine:
         return self.core.scheduler.config.max_model_len
 
     # ------------------------------------------------------------------ requests
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without ``SamplingParams`` gets: the model's recommended sampling
+        (``sampling_defaults``) over the engine's neutral defaults (vLLM's name)."""
+        return SamplingParams(**self.sampling_defaults)
+
     def make_request(self, request_id: str, prompt: PromptInput, sampling_params: SamplingParams | None = None,
                      priority: int = 0):
         """Validate, tokenize and compile the grammar: ``(prompt text, Request)``; ValueError naming
         what is wrong. Touches no engine state, so it may run outside the thread that steps the
         engine (``AsyncLLM.make_request`` runs it in a worker thread, off the event loop)."""
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, request = make_request(request_id, prompt, params, priority, self.tokenizer,

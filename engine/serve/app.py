@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import importlib.metadata
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -34,18 +33,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenbudget.api.errors import EngineDeadError, EngineOverloadedError, RequestError
+from tokenbudget.api.version import package_version
 from tokenbudget.engine.entrypoints.memory import TRIM_AFTER_BYTES, release_free_memory
 from tokenbudget.engine.serve import protocol as proto
 from tokenbudget.engine.serve import responses as resp
 from tokenbudget.engine.serve.body_limit import LimitBody
+from tokenbudget.engine.serve.chat_stream import ChatChunks
 from tokenbudget.engine.serve.limits import LimitError, ServerLimits, flag, prompt_byte_bound
 from tokenbudget.engine.serve.metrics import CONTENT_TYPE, ServerMetrics
 from tokenbudget.engine.serve.preparation import PreparationQueue
+from tokenbudget.engine.serve.tool_parsers import get_parser
 
-try:
-    _VERSION = importlib.metadata.version("tokenbudget")
-except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
-    _VERSION = "0+unknown"
+_VERSION = package_version()
 _OPEN_PATHS = ("/health", "/metrics", "/version")
 
 
@@ -54,8 +53,9 @@ class _Json(JSONResponse):
         return msgspec.json.encode(content)
 
 
-def _error(status: int, message: str, kind: str, param: str | None = None, headers: dict | None = None) -> _Json:
-    return _Json(resp.error_body(message, kind, param, status), status_code=status, headers=headers)
+def _error(status: int, message: str, kind: str, param: str | None = None, headers: dict | None = None,
+           code: int | str | None = None) -> _Json:
+    return _Json(resp.error_body(message, kind, param, code or status), status_code=status, headers=headers)
 
 
 def _sse(obj) -> bytes:
@@ -113,8 +113,11 @@ class _RequireKey:
 
 
 class OpenAIServer:
-    def __init__(self, llm, model_name: str, limits: ServerLimits | None = None) -> None:
+    def __init__(self, llm, model_name: str, limits: ServerLimits | None = None,
+                 tool_parser: str | None = None) -> None:
         self.llm, self.model_name = llm, model_name
+        # --enable-auto-tool-choice --tool-call-parser NAME: tool_choice "auto" read by that parser
+        self.tool_parser = get_parser(tool_parser) if tool_parser is not None else None
         self.limits = limits if limits is not None else ServerLimits()
         self.metrics = ServerMetrics(llm, model_name)
         self.token_text = resp.TokenText(llm.tokenizer)
@@ -138,8 +141,10 @@ class OpenAIServer:
         kind = proto.ChatCompletionRequest if chat else proto.CompletionRequest
         req = proto.decode(body, kind, self.limits)
         if req.model is not None and req.model != self.model_name:
-            raise proto.ProtocolError(f"model {req.model!r} is not served here (serving {self.model_name!r})", "model")
-        params = proto.to_sampling_params(req, bool(req.stream))
+            raise proto.ModelNotFoundError(req.model, self.model_name)
+        tools = proto.tool_request(req, self.tool_parser) if chat else None
+        params = proto.to_sampling_params(req, bool(req.stream), self.llm.engine.sampling_defaults,
+                                          tools.sampling_options(self.limits) if tools is not None else None)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         field = "messages" if chat else "prompt"
         if chat:
@@ -164,7 +169,7 @@ class OpenAIServer:
             name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
             raise LimitError(f"this model's maximum context length is {self.max_model_len} tokens; the request "
                              f"asks for {num_prompt + asked} ({num_prompt} in the prompt, {asked} in {name})", name)
-        return req, params, prepared
+        return req, params, prepared, tools
 
     def _check_prompt_bytes(self, data: bytes, field: str) -> None:
         """Refuse, before tokenizing, a prompt whose bytes alone need more than
@@ -188,23 +193,29 @@ class OpenAIServer:
         del body
         if not done:  # the client left while its request waited for (or was in) preparation
             return Response(status_code=499)  # nobody reads it
-        req, params, prepared = made
+        req, params, prepared, tools = made
         stream, rid = self.llm.add_made_request(prepared), prepared.request_id
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            gen = self._chat_events if chat else self._completion_events
-            return _AbortOnDisconnect(gen(stream, rid, created, params.logprobs or 0, include_usage),
-                                      functools.partial(self.llm.abort, rid), media_type="text/event-stream")
+            if chat:
+                render = ChatChunks(rid, created, self.model_name, params.n, params.logprobs or 0, self.token_text,
+                                    tools).render
+                events = self._events(stream, rid, created, "chat.completion.chunk", include_usage, render)
+            else:
+                events = self._completion_events(stream, rid, created, params.logprobs or 0, include_usage)
+            return _AbortOnDisconnect(events, functools.partial(self.llm.abort, rid), media_type="text/event-stream")
         done, out = await _race_disconnect(self._final(stream), request.receive)
         if not done:
             self.llm.abort(rid)
             return Response(status_code=499)  # nobody reads it
         self.metrics.observe(out)
-        if out.outputs[0].finish_reason == "abort":
+        if any(c.finish_reason == "abort" for c in out.outputs):
             return _error(503, "the request was aborted (the server is shutting down)", "server_error")
-        build = resp.chat_object if chat else resp.completion_object
-        return _Json(build(rid, created, self.model_name, out, params.logprobs or 0, self.token_text))
+        if chat:
+            return _Json(resp.chat_object(rid, created, self.model_name, out, params.logprobs or 0, self.token_text,
+                                          tools))
+        return _Json(resp.completion_object(rid, created, self.model_name, out, params.logprobs or 0, self.token_text))
 
     async def _final(self, stream):
         try:
@@ -223,10 +234,10 @@ class OpenAIServer:
         try:
             async for out in stream:
                 last = out
-                if out.outputs[0].finish_reason == "abort":
+                if any(c.finish_reason == "abort" for c in out.outputs):
                     yield _sse(resp.error_body("the request was aborted", "server_error", code=503))
                     return
-                n_out += len(out.outputs[0].token_ids)
+                n_out += sum(len(c.token_ids) for c in out.outputs)
                 for event in render(out):
                     yield _sse(event)
             self.metrics.observe(last)
@@ -245,36 +256,24 @@ class OpenAIServer:
                 self.llm.abort(rid)
 
     def _completion_events(self, stream, rid, created, n_logprobs, include_usage):
-        offset = [0]
+        offsets: dict[int, int] = {}  # each choice's text offset so far
 
         def render(out):
-            chunk = resp.completion_chunk(rid, created, self.model_name, out, n_logprobs, self.token_text, offset[0])
-            offset[0] += len(out.outputs[0].text)
-            return [chunk]
+            chunks = []
+            for c in out.outputs:
+                at = offsets.get(c.index, 0)
+                chunks.append(resp.completion_chunk(rid, created, self.model_name, c, n_logprobs, self.token_text, at))
+                offsets[c.index] = at + len(c.text)
+            return chunks
 
         return self._events(stream, rid, created, "text_completion", include_usage, render)
 
-    def _chat_events(self, stream, rid, created, n_logprobs, include_usage):
-        first = [True]
 
-        def render(out):
-            c = out.outputs[0]
-            events = []
-            if first[0]:
-                events.append(resp.chat_chunk(rid, created, self.model_name, {"role": "assistant", "content": ""}))
-                first[0] = False
-            if c.text or c.token_ids or c.finish_reason:
-                lps = resp.chat_logprobs(c.token_ids, c.logprobs, n_logprobs, self.token_text)
-                events.append(resp.chat_chunk(rid, created, self.model_name, {"content": c.text} if c.text else {},
-                                              c.finish_reason, lps))
-            return events
-
-        return self._events(stream, rid, created, "chat.completion.chunk", include_usage, render)
-
-
-def build_app(llm, model_name: str, api_key: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
-    """The FastAPI app serving ``llm`` (an ``AsyncLLM``) as ``model_name`` under ``limits``."""
-    server = OpenAIServer(llm, model_name, limits)
+def build_app(llm, model_name: str, api_key: str | None = None, limits: ServerLimits | None = None,
+              tool_parser: str | None = None) -> FastAPI:
+    """The FastAPI app serving ``llm`` (an ``AsyncLLM``) as ``model_name`` under ``limits``;
+    ``tool_parser``: tool_choice "auto" is on, read by that parser (``tool_parsers``)."""
+    server = OpenAIServer(llm, model_name, limits, tool_parser)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -293,6 +292,10 @@ def build_app(llm, model_name: str, api_key: str | None = None, limits: ServerLi
     @app.exception_handler(LimitError)
     async def past_limit(request, exc: LimitError):
         return _error(exc.status, str(exc), "invalid_request_error", exc.param)
+
+    @app.exception_handler(proto.ModelNotFoundError)
+    async def unknown_model(request, exc: proto.ModelNotFoundError):  # OpenAI's and vLLM's 404
+        return _error(404, str(exc), "invalid_request_error", "model", code="model_not_found")
 
     @app.exception_handler(proto.ProtocolError)
     async def bad_body(request, exc: proto.ProtocolError):

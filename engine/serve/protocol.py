@@ -19,12 +19,12 @@ import msgspec
 
 from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
 from tokenbudget.engine.serve.limits import ServerLimits, check_counts, check_depth
+from tokenbudget.engine.serve.tool_calls import ToolError, ToolRequest, template_message
 from tokenbudget.engine.text.chat_template import check_chat_template_kwargs
 
 # OpenAI fields not mapped yet (the sampling-parity work adds them to SamplingParams), with the
 # value that means "not used".
-NOT_MAPPED: dict[str, Any] = {"best_of": None, "echo": False, "suffix": None,
-                              "tools": None, "tool_choice": None, "parallel_tool_calls": None}
+NOT_MAPPED: dict[str, Any] = {"best_of": None, "echo": False, "suffix": None}
 
 
 def _structured_outputs(response_format: dict[str, Any] | None):
@@ -55,6 +55,14 @@ class ProtocolError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class ModelNotFoundError(ValueError):
+    """A body's ``model`` that this server does not serve: a 404 with code ``model_not_found``
+    (OpenAI's answer, and vLLM's status), not a 400."""
+
+    def __init__(self, asked: str, served: str) -> None:
+        super().__init__(f"The model {asked!r} does not exist: this server serves {served!r}")
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -90,7 +98,7 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     repetition_penalty: float | None = None
-    n: int | None = 1  # > 1: non-streaming only, for now
+    n: int | None = 1
 
 
 class CompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
@@ -105,6 +113,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (``tool_calls``)
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
 
 class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
@@ -165,7 +175,8 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
-    """Messages for the chat template; content parts of type "text" are joined."""
+    """Messages for the chat template; content parts of type "text" are joined; ``name`` and the
+    tool fields pass on (``tool_calls.template_message``)."""
     out = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -173,7 +184,15 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
             if any(part.get("type") != "text" for part in content):
                 raise ProtocolError(f"messages[{i}].content: only text parts are supported", "messages")
             content = "".join(str(part.get("text", "")) for part in content)
-        out.append({"role": m.role, "content": content or ""})
+        message = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_calls is not None or m.tool_call_id is not None:
+            try:
+                message.update(template_message(m.role, m.tool_calls, m.tool_call_id, i))
+            except ToolError as exc:
+                raise ProtocolError(str(exc), exc.param) from None
+        out.append(message)
     if not out:
         raise ProtocolError("messages must not be empty", "messages")
     return out
@@ -193,7 +212,7 @@ def chat_prompt(tokenizer, req: ChatCompletionRequest, messages: list[dict]) -> 
     try:
         return tokenizer.chat_prompt(messages, add_generation_prompt=req.add_generation_prompt,
                                      continue_final_message=req.continue_final_message,
-                                     chat_template_kwargs=req.chat_template_kwargs)
+                                     chat_template_kwargs=req.chat_template_kwargs, tools=req.tools)
     except ValueError as exc:
         raise ProtocolError(str(exc), "messages") from None
 
@@ -206,10 +225,23 @@ def _check_not_mapped(req: _Common) -> None:
         raise ProtocolError(f"{name} is not supported yet (got {value!r})", name)
 
 
-def to_sampling_params(req: _Common, stream: bool) -> SamplingParams:
-    """The ``SamplingParams`` of a completion or chat body; ``ProtocolError`` naming the field."""
+def tool_request(req: ChatCompletionRequest, parser) -> ToolRequest:
+    """The body's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` (``tool_calls``), read
+    with the server's auto parser (None: ``--enable-auto-tool-choice`` is off)."""
+    try:
+        return ToolRequest.from_body(req.tools, req.tool_choice, req.parallel_tool_calls, parser)
+    except ToolError as exc:
+        raise ProtocolError(str(exc), exc.param) from None
+
+
+def to_sampling_params(req: _Common, stream: bool, defaults: dict[str, Any] | None = None,
+                       tool_options: dict[str, Any] | None = None) -> SamplingParams:
+    """The ``SamplingParams`` of a completion or chat body; ``ProtocolError`` naming the field.
+    ``defaults`` (the model's recommended sampling, ``LLMEngine.sampling_defaults``) fill the
+    fields the body leaves unset, as vLLM's ``--generation-config auto``; ``tool_options``
+    (``ToolRequest.sampling_options``) are what its tool choice sets."""
     _check_not_mapped(req)
-    opts: dict[str, Any] = {}
+    opts: dict[str, Any] = dict(defaults or {})
     max_tokens = req.max_tokens
     if isinstance(req, ChatCompletionRequest):
         if req.max_completion_tokens is not None:
@@ -222,7 +254,7 @@ def to_sampling_params(req: _Common, stream: bool) -> SamplingParams:
         opts["logprobs"] = req.logprobs
     if max_tokens is not None:
         opts["max_tokens"] = max_tokens
-    elif isinstance(req, ChatCompletionRequest):
+    elif isinstance(req, ChatCompletionRequest) and "max_tokens" not in opts:
         opts["max_tokens"] = 2**20  # OpenAI chat: until the model stops (the context length caps it)
     for name in ("temperature", "top_p", "seed", "stop", "top_k", "min_p", "min_tokens", "ignore_eos",
                  "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "presence_penalty",
@@ -233,12 +265,15 @@ def to_sampling_params(req: _Common, stream: bool) -> SamplingParams:
     if req.speculative is not None and req.speculative.num_speculative_tokens != "auto":
         opts["num_speculative_tokens"] = req.speculative.num_speculative_tokens
     if req.n is not None and req.n != 1:
-        if stream and req.n > 1:
-            raise ProtocolError("n > 1 is not supported with stream=true yet", "n")
         opts["n"] = req.n
     structured = _structured_outputs(getattr(req, "response_format", None))
     if structured is not None:
         opts["structured_outputs"] = structured
+    if tool_options:
+        if structured is not None and "structured_outputs" in tool_options:
+            raise ProtocolError("response_format cannot be combined with tool_choice \"required\" or a named "
+                                "function (both constrain the output)", "response_format")
+        opts.update(tool_options)
     opts["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     try:
         return SamplingParams(**opts)

@@ -4,12 +4,14 @@ Shapes follow what the official ``openai`` client parses: ``text_completion`` /
 ``chat.completion`` objects, their streamed chunks, ``usage`` with
 ``prompt_tokens_details.cached_tokens``, and logprobs with token strings (completions:
 ``tokens``/``token_logprobs``/``top_logprobs``/``text_offset``; chat: ``content`` entries with
-``token``/``logprob``/``bytes``/``top_logprobs``). A token's string is its own decoded text.
+``token``/``logprob``/``bytes``/``top_logprobs``). A token's string is its ``Logprob.decoded_token``
+(vLLM's: a part of a multi-byte character is "" until the token that completes it,
+``engine.text.token_strings``), so the strings join to the text and their ``bytes`` to its bytes.
 """
 
 from __future__ import annotations
 
-from tokenbudget.api.outputs import Logprob, RequestMetrics, RequestOutput
+from tokenbudget.api.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 MAX_ERROR_CHARS = 400  # an error quotes at most this much of anything (input included)
 
@@ -67,6 +69,11 @@ def _top(entry: dict[int, Logprob], n: int) -> list[tuple[int, float]]:
     return sorted(((t, lp.logprob) for t, lp in entry.items()), key=lambda kv: (-kv[1], kv[0]))[:n]
 
 
+def _string(entry: dict[int, Logprob], token_id: int, text: TokenText) -> str:
+    decoded = entry[token_id].decoded_token
+    return decoded if decoded is not None else text(token_id)
+
+
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]] | None, n: int, text: TokenText,
                         offset: int = 0) -> dict | None:
     """Completions-API logprobs; ``offset`` is the text offset of the first token."""
@@ -74,10 +81,10 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
         return None
     tokens, token_lps, tops, offsets = [], [], [], []
     for tid, entry in zip(token_ids, logprobs):
-        s = text(tid)
+        s = _string(entry, tid, text)
         tokens.append(s)
         token_lps.append(entry[tid].logprob)
-        tops.append({text(t): lp for t, lp in _top(entry, n)} if n else None)
+        tops.append({_string(entry, t, text): lp for t, lp in _top(entry, n)} if n else None)
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -88,11 +95,12 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]] | Non
     if logprobs is None:
         return None
 
-    def item(tid: int, lp: float) -> dict:
-        s = text(tid)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+    def item(entry: dict[int, Logprob], tid: int, lp: float) -> dict:
+        s = _string(entry, tid, text)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8", "replace"))}
 
-    return {"content": [dict(item(tid, entry[tid].logprob), top_logprobs=[item(t, lp) for t, lp in _top(entry, n)])
+    return {"content": [dict(item(entry, tid, entry[tid].logprob),
+                             top_logprobs=[item(entry, t, lp) for t, lp in _top(entry, n)])
                         for tid, entry in zip(token_ids, logprobs)]}
 
 
@@ -106,27 +114,32 @@ def completion_object(rid: str, created: int, model: str, out: RequestOutput, n_
             "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.metrics)}
 
 
-def chat_object(rid: str, created: int, model: str, out: RequestOutput, n_logprobs: int, text: TokenText) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                         "finish_reason": c.finish_reason,
-                         "logprobs": chat_logprobs(c.token_ids, c.logprobs, n_logprobs, text)}
-                        for c in out.outputs],
+def chat_object(rid: str, created: int, model: str, out: RequestOutput, n_logprobs: int, text: TokenText,
+                tools=None) -> dict:
+    """One choice per completion; ``tools`` (a ``tool_calls.ToolRequest``) makes each message
+    and finish reason (tool calls), else the message is the text."""
+    choices = []
+    for c in out.outputs:
+        message, finish_reason = (tools.message(c.text, c.finish_reason) if tools is not None
+                                  else ({"role": "assistant", "content": c.text}, c.finish_reason))
+        choices.append({"index": c.index, "message": message, "finish_reason": finish_reason,
+                        "logprobs": chat_logprobs(c.token_ids, c.logprobs, n_logprobs, text)})
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.metrics)}
 
 
-def completion_chunk(rid: str, created: int, model: str, out: RequestOutput, n_logprobs: int, text: TokenText,
+def completion_chunk(rid: str, created: int, model: str, c: CompletionOutput, n_logprobs: int, text: TokenText,
                      offset: int) -> dict:
-    c = out.outputs[0]
+    """One choice's piece (``c.index``); ``offset``: that choice's text offset so far."""
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": c.text, "finish_reason": c.finish_reason,
+            "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
                          "logprobs": completion_logprobs(c.token_ids, c.logprobs, n_logprobs, text, offset)}]}
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: str | None = None,
-               logprobs: dict | None = None) -> dict:
+               logprobs: dict | None = None, index: int = 0) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, prompt_tokens: int, completion_tokens: int,

@@ -23,9 +23,9 @@ from tokenbudget.engine.serve.limits import ServerLimits
 
 
 def make_server(llm, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-                grace_period: float = 30.0, log_level: str = "info", limits: ServerLimits | None = None
-                ) -> uvicorn.Server:
-    app = build_app(llm, model_name, api_key, limits)
+                grace_period: float = 30.0, log_level: str = "info", limits: ServerLimits | None = None,
+                tool_parser: str | None = None) -> uvicorn.Server:
+    app = build_app(llm, model_name, api_key, limits, tool_parser)
     config = uvicorn_config(app, limits, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=grace_period)
     return uvicorn.Server(config)

@@ -162,15 +162,20 @@ class Tokenizer:
 
     def chat_prompt(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template: str | None = None,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The prompt of one conversation as the engine takes it: ``{"prompt": text,
         "prompt_token_ids": ids}``, the ids encoded without adding BOS (the template writes it).
 
+        ``tools``: the template's ``tools`` variable, as transformers' ``apply_chat_template``
+        passes JSON-schema tools (OpenAI's ``{"type": "function", "function": {...}}`` dicts).
         ``chat_template_kwargs`` (vLLM's argument) are extra template variables, and override
-        ``add_generation_prompt`` / ``continue_final_message`` when they set them, as in vLLM.
+        ``add_generation_prompt`` / ``continue_final_message`` / ``tools`` when they set them, as in
+        vLLM.
         """
         options = {"add_generation_prompt": add_generation_prompt,
                    "continue_final_message": continue_final_message,
+                   **({"tools": tools} if tools is not None else {}),
                    **check_chat_template_kwargs(chat_template_kwargs)}
         text = self.apply_chat_template(messages, chat_template=chat_template, **options)
         return {"prompt": text, "prompt_token_ids": self.encode(text)}

@@ -38,6 +38,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
     seed: int = 0  # seeds the global RNG used by unseeded sampled requests
     max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for (vLLM's); -1: no cap
+    # auto: the model's recommended sampling (generation_config.json, a GGUF's general.sampling.*)
+    # fills the sampling fields a request leaves unset, as vLLM's --generation-config auto;
+    # none: the engine's neutral defaults (engine/loader/generation_defaults.py)
+    generation_config: Literal["auto", "none"] = "auto"
     # CUDA only: capture decode/verify batches in CUDA graphs at start-up (needs FlashInfer and
     # triton). Off by default until it has been validated on a GPU (see benches/RESULTS.md).
     cuda_graphs: bool = False
@@ -91,6 +95,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"dtype must be one of auto/float32/bfloat16/float16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError(f"generation_config must be 'auto' or 'none', got {self.generation_config!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.speculative_config is not None and not isinstance(self.speculative_config, dict):

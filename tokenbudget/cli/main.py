@@ -6,9 +6,14 @@ import argparse
 import logging
 import sys
 
+_DESCRIPTION = ("An LLM inference engine with lossless speculative decoding: generate, serve (OpenAI-compatible), "
+                "bench serve, fuzz, train-draft.")
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tokenbudget", description=__doc__)
+    from tokenbudget.api.version import package_version
+    parser = argparse.ArgumentParser(prog="tokenbudget", description=_DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"tokenbudget {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     from tokenbudget.cli import generate
     generate.add_parser(sub)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 from tokenbudget.cli.generate import SPEC_METHODS, num_spec_tokens, speculative_config_from_args
+from tokenbudget.engine.serve.tool_parsers import PARSERS as _TOOL_PARSERS  # the standard library only
 
 
 def add_parser(sub) -> None:
@@ -55,6 +56,14 @@ def add_parser(sub) -> None:
     p.add_argument("--max-grammar-mask-ms-in-flight", type=float, default=None,
                    help="estimated CPU ms a step of the masks of every structured request in flight; a new "
                         "structured request past it gets 429 (default: 100)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="tool_choice \"auto\": the model's own tool calls, read by --tool-call-parser (vLLM's flags)")
+    p.add_argument("--tool-call-parser", choices=sorted(_TOOL_PARSERS), default=None,
+                   help="the format of the model's tool calls: hermes (Qwen2.5/3, Hermes), llama3_json (Llama 3.x), "
+                        "mistral")
+    p.add_argument("--generation-config", choices=("auto", "none"), default=None,
+                   help="auto (default, vLLM's): the model's recommended sampling (generation_config.json, a "
+                        "GGUF's general.sampling.*) for the fields a request leaves unset; none: the engine's")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--cuda-graphs", action="store_true", help="CUDA only: capture decode batches in CUDA graphs")
     p.set_defaults(run=run)
@@ -63,7 +72,7 @@ def add_parser(sub) -> None:
 _ENGINE_FLAGS = ("revision", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                  "kv_cache_memory_bytes", "block_size", "scheduling_policy", "num_threads", "seed",
                  "long_prefill_token_threshold", "max_queued_requests", "max_queued_tokens", "max_grammar_mask_ms",
-                 "max_batch_grammar_mask_ms", "max_grammar_mask_ms_in_flight")
+                 "max_batch_grammar_mask_ms", "max_grammar_mask_ms_in_flight", "generation_config")
 
 
 def served_name(model: str | None) -> str:
@@ -96,6 +105,9 @@ def run(args) -> int:
             check_model_files(args.model)
         except (ValueError, OSError) as exc:  # worded as serve_replica words a failed load
             raise ValueError(f"model: {exc}") from None
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                         f"{', '.join(sorted(_TOOL_PARSERS))})")
     name = args.served_model_name or served_name(args.model)
     from tokenbudget.engine.serve.limits import ServerLimits
     limits = ServerLimits(**{name: getattr(args, name) for name in ServerLimits.__struct_fields__})
@@ -105,4 +117,6 @@ def run(args) -> int:
         return AsyncLLM(args.model, **options)
     # the port opens at once (/health 503 while the model loads); SIGTERM drains (/health 503)
     return serve_replica(load, name, host=args.host, port=args.port, api_key=args.api_key,
-                         grace_period=args.grace_period, app_options={"limits": limits})
+                         grace_period=args.grace_period,
+                         app_options={"limits": limits,
+                                      "tool_parser": args.tool_call_parser if args.enable_auto_tool_choice else None})

@@ -4,7 +4,7 @@
     from tokenbudget.integrations.ray import ProcessorConfig, build_processor
 
     processor = build_processor(ProcessorConfig(
-        model="model.gguf", concurrency=4,                     # 4 actors, one engine each
+        model="model.gguf",                                    # actors and CPUs: sized from the cluster
         engine_options={"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}},
         sampling_params={"max_tokens": 128, "temperature": 0}))
     processor(ray.data.read_json("prompts.jsonl")).write_parquet("out/")
@@ -13,10 +13,17 @@
 actors, each builds one ``AsyncLLM`` in ``__init__``; Ray calls the async ``__call__`` on an
 event loop in another thread (``AsyncLLM`` is bound to no loop), which submits every row of the
 batch at once (the engine batches them under its token budget) and yields each row as it
-finishes.
+finishes. N and each actor's CPUs default to what the cluster holds (``resources``).
 
-A row has ``prompt`` (a string; ``apply_chat_template`` puts it through the model's template),
-or ``messages`` (a chat, always templated), or ``prompt_token_ids``; optionally
+The stage's own errors come before Ray starts anything, as the ``ValueError`` /
+``FileNotFoundError`` they are (not inside Ray's actor-death traceback): a bad engine option or
+sampling default at ``build_processor``, a local model path that does not exist or whose files are
+malformed (header checks, milliseconds) too, an actor that fits no node when the processor is
+applied.
+
+A row has ``prompt`` (a string, put through the model's chat template when it has one, as
+``tokenbudget generate`` does; ``apply_chat_template=False`` sends it as it is), or ``messages``
+(a chat, always templated), or ``prompt_token_ids``; optionally
 ``sampling_params`` (a dict or its JSON) over the config's defaults. Its other columns pass
 through. Added columns: ``OUTPUT_COLUMNS``. A row whose request fails (a bad field, a fault the
 engine isolated to it, a dead engine) comes back with ``error`` set and ``finish_reason``
@@ -30,12 +37,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 
 from tokenbudget.api.sampling_params import RequestOutputKind, SamplingParams
+from tokenbudget.integrations.ray.resources import cluster_nodes, plan_actors
+
+logger = logging.getLogger("tokenbudget")
 
 # What every output row has, next to the input columns.
 OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "num_input_tokens", "num_generated_tokens",
@@ -48,35 +60,60 @@ class ProcessorConfig(msgspec.Struct, kw_only=True, frozen=True):
 
     ``engine_options`` are ``EngineConfig``'s (``speculative_config``, ``max_num_seqs``, ...);
     ``num_threads`` defaults to the actor's ``num_cpus``. ``sampling_params``: the defaults every
-    row's own ``sampling_params`` override."""
+    row's own ``sampling_params`` override. ``concurrency`` and ``num_cpus`` unset: sized from the
+    Ray cluster (``resources``)."""
 
-    model: str | None = None  # .gguf file or HF directory (on every node); None: the default model
+    model: str | None = None  # .gguf file, HF directory (on every node) or hub id; None: the default model
     engine_options: dict[str, Any] = {}
     sampling_params: dict[str, Any] = {}
-    concurrency: int = 1  # actors (engines)
+    concurrency: int | None = None  # actors (engines); None: as many as fit, one CPU left for Ray Data
     batch_size: int = 64  # rows handed to an actor at once (all of them in flight together)
-    num_cpus: float = 1.0  # per actor
+    num_cpus: float | None = None  # per actor; None: a node's CPUs less one (1 with GPUs)
     num_gpus: float = 0.0  # per actor
-    apply_chat_template: bool = False  # template ``prompt`` strings (``messages`` rows always are)
+    # template ``prompt`` strings (``messages`` rows always are); None: when the model has a chat
+    # template (as ``tokenbudget generate``), False: never
+    apply_chat_template: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("concurrency", "batch_size"):
             v = getattr(self, name)
+            if v is None and name == "concurrency":
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.num_cpus <= 0 or self.num_gpus < 0:
-            raise ValueError(f"num_cpus must be > 0 and num_gpus >= 0, got {self.num_cpus!r}, {self.num_gpus!r}")
+        if (self.num_cpus is not None and not self.num_cpus > 0) or not self.num_gpus >= 0:
+            raise ValueError(f"num_cpus must be > 0 (or None) and num_gpus >= 0, got {self.num_cpus!r}, "
+                             f"{self.num_gpus!r}")
         _sampling_params(self.sampling_params, {})  # a bad default is a ValueError here, not per row
 
 
 def build_processor(config: ProcessorConfig):
-    """A callable ``Dataset -> Dataset`` that adds ``OUTPUT_COLUMNS`` to every row."""
+    """A callable ``Dataset -> Dataset`` that adds ``OUTPUT_COLUMNS`` to every row. The engine
+    options and a local model's files are checked here, the actors against the cluster when it is
+    applied: ``ValueError`` / ``FileNotFoundError`` naming what is wrong, before Ray runs anything."""
+    _check_engine(config)
 
     def process(ds):
-        return ds.map_batches(TokenbudgetStage, fn_constructor_kwargs={"config": config},
-                              concurrency=config.concurrency, batch_size=config.batch_size,
-                              num_cpus=config.num_cpus, num_gpus=config.num_gpus)
+        plan = plan_actors(cluster_nodes(), config.concurrency, config.num_cpus, config.num_gpus)
+        logger.info("tokenbudget: Ray Data: %d actor(s) of %g CPU(s)%s", plan.concurrency, plan.num_cpus,
+                    f" and {plan.num_gpus:g} GPU(s)" if plan.num_gpus else "")
+        sized = msgspec.structs.replace(config, concurrency=plan.concurrency, num_cpus=plan.num_cpus)
+        return ds.map_batches(TokenbudgetStage, fn_constructor_kwargs={"config": sized},
+                              concurrency=plan.concurrency, batch_size=config.batch_size,
+                              num_cpus=plan.num_cpus, num_gpus=plan.num_gpus)
     return process
+
+
+def _check_engine(config: ProcessorConfig) -> None:
+    """What each actor's ``AsyncLLM`` would refuse, refused here: its options, and a local
+    model path that is missing or malformed (a hub id is fetched by the actors)."""
+    from tokenbudget.api.config import EngineConfig
+    from tokenbudget.engine.loader import check_model_files
+    from tokenbudget.engine.loader.hub import is_hub_id
+
+    EngineConfig.from_kwargs(model=config.model, **config.engine_options)
+    if config.model is not None and (os.path.exists(os.path.expanduser(config.model)) or not is_hub_id(config.model)):
+        check_model_files(config.model)
 
 
 class TokenbudgetStage:
@@ -121,7 +158,10 @@ class TokenbudgetStage:
         if prompt is None:
             raise ValueError("a row needs 'prompt', 'messages' or 'prompt_token_ids'")
         prompt = str(prompt)
-        if self.config.apply_chat_template:
+        templated = self.config.apply_chat_template
+        if templated is None:
+            templated = self.llm.tokenizer.chat_template is not None
+        if templated:
             prompt = self.llm.tokenizer.chat_prompt([{"role": "user", "content": prompt}])
         return prompt
 
