@@ -7,6 +7,7 @@ an abort may change while they run). Everything they need travels in it.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,13 +96,20 @@ class SchedulerOutput:
     num_lookahead_tokens: int = 0
     # Grammar masks, computed by the core after ``schedule()`` (``engine.structured``): request
     # id -> int32 ``[r, W]`` packed bitmask rows for that request's first r sampling rows (rows
-    # past r, and requests without an entry, are unmasked). The runner only applies them; a mask
-    # that cannot be computed was already a ``RequestFault`` of its request, before the forward.
-    grammar_bitmask: dict[str, Any] | None = None
+    # past r, and requests without an entry, are unmasked); or a ``Future`` of them while they are
+    # computed beside the forward (``engine.structured.mask_overlap``). The runner only applies
+    # them (``grammar_masks``); a mask that cannot be computed is a ``RequestFault`` of its request.
+    grammar_bitmask: dict[str, Any] | Future | None = None
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    def grammar_masks(self) -> dict[str, Any] | None:
+        """The grammar masks, waited for when they are computed beside the forward (raising
+        what computing them raised: ``RequestFault``, ``MaskDeferral``)."""
+        masks = self.grammar_bitmask
+        return masks.result() if isinstance(masks, Future) else masks
 
 
 @dataclass(slots=True)

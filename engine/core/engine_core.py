@@ -9,8 +9,9 @@ is what they pass in. One step:
     drafts = structured.trim_drafts(drafts)           #   cut at the first token a grammar forbids
     scheduler.add_drafts(drafts)                      #   cut to draft_limit
     sched  = scheduler.schedule(skip=skip)            # token budget; counters advance optimistically
-    sched.grammar_bitmask = structured.grammar_bitmask(sched)  # masks of the sampling rows
+    masks.start(sched)                                # masks of the sampling rows, often beside the forward
     result = runner.execute(sched)                    # one forward + masks applied + sampling/verification
+    sched.grammar_masks()                             #   a mask fault fails the attempt even if unapplied
     plan   = scheduler.plan_update(sched, result)     # what the step commits; changes nothing
     structured.prepare(plan)                          # grammars consume the tokens (may end requests)
     outs   = outputs.prepare(plan)                    # text, stop strings (may end requests)
@@ -62,6 +63,7 @@ from tokenbudget.engine.core.parallel_sampling import ParentRequest
 from tokenbudget.engine.core.recovery import StepRecovery
 from tokenbudget.engine.core.stats import EngineStats, ThroughputMeter, collect_stats
 from tokenbudget.engine.structured.manager import StructuredOutputs
+from tokenbudget.engine.structured.mask_overlap import MaskOverlap
 from tokenbudget.request_table import RequestTable
 from tokenbudget.scheduler.output import EngineCoreOutput, SchedulerOutput
 from tokenbudget.scheduler.request import Request, RequestStatus
@@ -80,6 +82,7 @@ class EngineCore(StepRecovery):
         self.speculator = speculator if speculator is not None else Speculator()
         self.outputs = output_processor if output_processor is not None else OutputProcessor(None)
         self.structured = structured if structured is not None else StructuredOutputs(None)
+        self.masks = MaskOverlap(self.structured)
         self.max_failed_steps = max_failed_steps
         self.dead: EngineDeadError | None = None
         self.num_failed_attempts = 0
@@ -186,7 +189,7 @@ class EngineCore(StepRecovery):
         participants = self._participants = set()
         if speculator.enabled:
             participants.update(r.request_id for r in scheduler.decoding_requests(only))
-        dirty = False
+        dirty, sched = False, None
         tables = self.tables
         scheduler.begin_step()
         for table in tables:
@@ -200,13 +203,15 @@ class EngineCore(StepRecovery):
                     scheduler.add_drafts(structured.trim_drafts(drafts))
                 sched = scheduler.schedule(only, self._skip)
             participants.update(sr.request_id for sr in sched.scheduled)
-            sched.grammar_bitmask = structured.grammar_bitmask(sched)
+            self.masks.start(sched)
             dirty = True
             result = self.runner.execute(sched)
+            sched.grammar_masks()
             plan = scheduler.plan_update(sched, result)
             structured.prepare(plan)
             step_outputs = outputs.prepare(plan, step_start)
         except BaseException:
+            self.masks.wait(sched)  # the mask thread is off the matchers before they roll back
             with deferred_sigint():
                 for table in tables:
                     table.rollback()

@@ -9,8 +9,9 @@ banned tokens, drafts and their probabilities, the committed token ids its row p
 comes in its ``ScheduledRequest``, and its random numbers are keyed by (seed, position)
 (``keyed_random``). So a failed step leaves nothing to undo here and a finished request leaves
 nothing to free. Prompt logprobs come from the same forward (``prompt_logprobs``). Grammar masks
-come computed in ``SchedulerOutput.grammar_bitmask`` (the core builds them after ``schedule()``,
-where a grammar's fault is still its request's); the runner only applies them to the raw logits.
+come in ``SchedulerOutput.grammar_bitmask`` (the core starts them after ``schedule()``, often
+beside this forward: ``engine.structured.mask_overlap``); the runner waits for them where it
+applies them to the raw logits, after the forward.
 """
 
 from __future__ import annotations
@@ -97,8 +98,9 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[list] | None = None
         rows, owners = self._sampling_rows(sched, batch.num_samples)
-        if sched.grammar_bitmask:  # grammar masks on the raw logits, before p is built
-            _apply_grammar_masks(logits, sched, batch.num_samples)
+        masks = sched.grammar_masks()  # computed beside the forward: ready now, or soon
+        if masks:  # grammar masks on the raw logits, before p is built
+            _apply_grammar_masks(logits, masks, sched, batch.num_samples)
         if rows:
             out = self.sampler(logits, rows)
             for i, toks in zip(owners, out.token_ids):
@@ -137,9 +139,9 @@ class ModelRunner:
         return rows, owners
 
 
-def _apply_grammar_masks(logits: torch.Tensor, sched: SchedulerOutput, num_samples: list[int]) -> None:
+def _apply_grammar_masks(logits: torch.Tensor, masks: dict, sched: SchedulerOutput, num_samples: list[int]) -> None:
     """In place: each structured request's bitmask rows onto its first sampling rows."""
-    masks, first = sched.grammar_bitmask, 0
+    first = 0
     for sr, m in zip(sched.scheduled, num_samples):
         if m:
             bitmask = masks.get(sr.request_id)
