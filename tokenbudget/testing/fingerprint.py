@@ -12,8 +12,9 @@ speculator's metrics. ``TransactionChecker`` wraps an
 After a rollback from a fault *before* the forward pass the fingerprint must be identical. After
 a fault during or after the forward pass, two things may differ on purpose (``kv_cache.journal``):
 requests preempted by the failed step stay preempted (their scheduler record and block table),
-and prefix-cache hashes of blocks the failed step handed out stay evicted.
-``compare_after_rollback`` checks exactly that.
+and the blocks the failed step handed out have no prefix-cache hash (their slots may hold its KV:
+a hash given back would serve that KV to the next request with the prefix, wrong tokens); every
+other block's hash is as it was. ``compare_after_rollback`` checks exactly that.
 
 ``check_tables(core)``: between steps, every table holds only requests in flight (a finished
 request's records are released on the engine's one release path; a child's link to its parent
@@ -80,8 +81,9 @@ def state_fingerprint(core) -> dict[str, Any]:
     }
 
 
-def compare_after_rollback(before: dict, after: dict, dirty: bool) -> None:
-    """Assert ``after`` (a rollback's result) is what ``before`` allows; see the module docstring."""
+def compare_after_rollback(before: dict, after: dict, dirty: bool, handed_out: frozenset[int] = frozenset()) -> None:
+    """Assert ``after`` (a rollback's result) is what ``before`` allows; see the module docstring.
+    ``handed_out``: the ids of the blocks the failed attempt took from the pool."""
     if not dirty:
         for key in before:
             assert after[key] == before[key], f"rollback changed {key}"
@@ -98,7 +100,10 @@ def compare_after_rollback(before: dict, after: dict, dirty: bool) -> None:
     for key in ("prefix_counters", "spec_stats"):
         assert after[key] == before[key], f"rollback changed {key}"
     for i, (h_before, h_after) in enumerate(zip(before["hashes"], after["hashes"])):
-        assert h_after in (h_before, None), f"block {i} got a hash it did not have"
+        if i in handed_out:
+            assert h_after is None, f"block {i}, handed out by the failed step, has a prefix-cache hash ({h_after})"
+        else:
+            assert h_after == h_before, f"block {i} changed its hash in a rollback ({h_before} -> {h_after})"
 
 
 def _status(value) -> int | None:
@@ -135,9 +140,17 @@ class TransactionChecker:
     def __init__(self, core) -> None:
         self.core = core
         self.num_checked = 0
-        inner_attempt, runner = core._attempt, core.runner
-        real_execute = runner.execute
+        inner_attempt, runner, pool = core._attempt, core.runner, core.scheduler.kv.pool
+        real_execute, real_new_blocks = runner.execute, pool.get_new_blocks
         self._reached_runner = False
+        self._handed_out: set[int] = set()
+
+        def get_new_blocks(n):
+            blocks = real_new_blocks(n)
+            self._handed_out.update(b.block_id for b in blocks)
+            return blocks
+
+        pool.get_new_blocks = get_new_blocks
 
         def execute(sched):
             self._reached_runner = True
@@ -148,12 +161,14 @@ class TransactionChecker:
         def attempt(only):
             before = state_fingerprint(core)
             self._reached_runner = False
+            self._handed_out.clear()
             try:
                 return inner_attempt(only)
             except BaseException:
                 if core.dead is None:
                     try:
-                        compare_after_rollback(before, state_fingerprint(core), self._reached_runner)
+                        compare_after_rollback(before, state_fingerprint(core), self._reached_runner,
+                                               frozenset(self._handed_out))
                     except AssertionError as mismatch:
                         raise RollbackMismatch(str(mismatch)) from mismatch
                     self.num_checked += 1
