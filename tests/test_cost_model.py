@@ -168,3 +168,23 @@ def test_team_rows_is_the_c_kernels_team_threshold():
     from tokenbudget.spec.step_shape import TEAM_ROWS
     header = Path(__file__).resolve().parents[1] / "kernels" / "cpu" / "quant_gemm.h"
     assert int(re.search(r"#define TEAM_MIN_ROWS (\d+)", header.read_text()).group(1)) == TEAM_ROWS
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(2, 40), st.floats(0.8, 0.999))
+def test_a_batched_fold_is_one_fold_per_update(seed, n, forget):
+    """``_fold_pending`` folds the updates since the last refit in one batch; its docstring
+    promises exactly what folding each update on its own gives (update i of n discounted by
+    forget^(n-1-i)). One model refits after every update (batches of one), the other once at
+    the end; no clipping (a huge ``max_update_factor``), so they see the same seconds."""
+    rng = np.random.default_rng(seed)
+    shapes = _random_shapes(rng, n)
+    seconds = [_true_cost(s, TRUE) * float(rng.uniform(0.5, 2.0)) for s in shapes]
+    one_by_one = synthetic_model(**TRUE, forget=forget, refit_every=1, max_update_factor=1e12)
+    batched = synthetic_model(**TRUE, forget=forget, refit_every=10**9, max_update_factor=1e12)
+    for s, sec in zip(shapes, seconds):
+        one_by_one.update(s, sec)
+        one_by_one.refit()
+        batched.update(s, sec)
+    batched.refit()
+    np.testing.assert_allclose(batched.weights, one_by_one.weights, rtol=1e-6, atol=1e-12)

@@ -95,6 +95,26 @@ def test_n_through_llm_engine_steps_and_abort(llm) -> None:
     assert_all_blocks_free(engine)
 
 
+def test_delta_outputs_carry_the_prompt_logprobs_once(llm) -> None:
+    """Through ``LLMEngine`` (which, unlike the server and ``AsyncLLM`` streams, hides nothing): a
+    DELTA request's prompt logprobs come in its first output only, CUMULATIVE ones in every
+    output, FINAL_ONLY in its one output; always the same list (issue 43's survivor: DELTA re-sent
+    them every step)."""
+    engine = llm.engine
+    seen: dict[RequestOutputKind, list] = {}
+    for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1, output_kind=kind)
+        engine.add_request(f"r-{kind.name}", PROMPT, params)
+        outs = [out for _ in bounded(engine.has_unfinished_requests) for out in engine.step()]
+        seen[kind] = [out.prompt_logprobs for out in outs]
+    first = seen[RequestOutputKind.DELTA][0]
+    assert first is not None and len(first) == len(llm.tokenizer.encode(PROMPT))
+    assert len(seen[RequestOutputKind.DELTA]) == 4 and seen[RequestOutputKind.DELTA][1:] == [None] * 3
+    assert seen[RequestOutputKind.CUMULATIVE] == [first] * 4
+    assert seen[RequestOutputKind.FINAL_ONLY] == [first]
+    assert_all_blocks_free(engine)
+
+
 def test_n_in_async_streams() -> None:
     async def main():
         async_llm = AsyncLLM(default_target(), **ENGINE_OPTS)
