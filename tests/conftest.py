@@ -40,14 +40,17 @@ def _variant_missing(reason: str) -> bool:
     return found is not None and found.group(1) in native.BY_NAME and bool(native.missing(found.group(1)))
 
 
-# reason prefix -> (why CI may skip it, a check, given the reason, that this machine really lacks the thing)
+# reason prefix -> (why CI may skip it, the marker a test must carry for the reason to count, a check,
+# given the reason, that this machine really lacks the thing)
 CI_ALLOWED_SKIPS = {
-    "needs a CUDA GPU": ("CI runs on a CPU-only machine", _no_cuda),
-    "flashinfer is not installed": ("FlashInfer is the `cuda` extra (GPU only); CI installs `.[test]`",
+    "needs a CUDA GPU": ("CI runs on a CPU-only machine", "cuda", _no_cuda),
+    "flashinfer is not installed": ("FlashInfer is the `cuda` extra (GPU only); CI installs `.[test]`", "cuda",
                                     _no_flashinfer),
     "CPU lacks": ("a C kernel variant for other instructions (NEON on x86: tests/test_neon_qemu.py runs it "
-                  "under qemu); the CPU's own variants and scalar always run", _variant_missing),
+                  "under qemu); the CPU's own variants and scalar always run", "isa", _variant_missing),
 }
+# Fixtures that run a C kernel variant: a test using one is an ``isa`` test by what it asks for.
+ISA_FIXTURES = ("variant", "c_kernels", "quant_kernel")
 
 
 def _ci() -> bool:
@@ -60,35 +63,63 @@ def _skip_reason(report) -> str:
     return reason.removeprefix("Skipped: ")
 
 
-def _forbidden_in_ci(report) -> str | None:
-    """Why this skipped report must fail under CI=true, or None when it may stay a skip."""
+def _forbidden_in_ci(report, markers: frozenset[str] | None = None) -> str | None:
+    """Why this skipped report must fail under CI=true, or None when it may stay a skip. ``markers``:
+    the test's markers (None for a collection report: a whole module skipped with an allowed
+    reason must mark itself, ``pytestmark``, which a skip at import cannot show: so it fails)."""
     if not (report.skipped and _ci()) or hasattr(report, "wasxfail"):
         return None
     reason = _skip_reason(report)
-    for prefix, (_why, machine_lacks_it) in CI_ALLOWED_SKIPS.items():
+    for prefix, (_why, marker, machine_lacks_it) in CI_ALLOWED_SKIPS.items():
         if reason.startswith(prefix) and machine_lacks_it(reason):
-            return None
+            if markers is not None and marker in markers:
+                return None
+            return (f"CI=true: the skip {reason!r} counts only on a test marked @pytest.mark.{marker} "
+                    f"(tests/conftest.py): mark the test, or skip for the reason that is really missing")
     return (f"CI=true: skip of something this machine can run ({reason!r}); only these may skip in CI, "
             f"and only where the machine lacks them: {sorted(CI_ALLOWED_SKIPS)} (tests/conftest.py)")
 
 
-def _fail_forbidden_skip(report) -> None:
-    why = _forbidden_in_ci(report)
+def _forbidden_xfail(item, call, report) -> str | None:
+    """Under CI=true an xfail must be ``strict=True`` (an unexpected pass fails) and declared as a
+    marker: a non-strict one, or a ``pytest.xfail()`` call in the test, hides a fixed or a new bug."""
+    if not _ci() or call.when != "call":
+        return None
+    if call.excinfo is not None and call.excinfo.errisinstance(pytest.xfail.Exception):
+        return "CI=true: pytest.xfail() inside a test; use @pytest.mark.xfail(strict=True, reason=...)"
+    for mark in item.iter_markers("xfail"):
+        if mark.kwargs.get("strict") is not True:
+            return "CI=true: an xfail must be strict=True (an unexpected pass must fail the run)"
+    return None
+
+
+def _fail(report, why: str | None) -> None:
     if why is not None:
         report.outcome = "failed"
         report.longrepr = why
+        if hasattr(report, "wasxfail"):  # no longer an expected failure (reports and junit read it first)
+            del report.wasxfail
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if any(name in item.fixturenames for name in ISA_FIXTURES):
+            item.add_marker(pytest.mark.isa)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
-    _fail_forbidden_skip(outcome.get_result())
+    report = outcome.get_result()
+    _fail(report, _forbidden_xfail(item, call, report)
+          or _forbidden_in_ci(report, frozenset(m.name for m in item.iter_markers())))
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector):
     outcome = yield  # a module-level skip (importorskip, allow_module_level) is a collection skip
-    _fail_forbidden_skip(outcome.get_result())
+    report = outcome.get_result()
+    _fail(report, _forbidden_in_ci(report))
 
 
 @pytest.fixture(scope="session")

@@ -2,8 +2,9 @@
 
 The child runs next to a copy of the real conftest.py. Under ``CI=true`` a missing import, a
 skip naming something this machine has, and a C build that fails (a fake compiler that errors)
-must fail the run; an allow-listed skip stays a skip only where the machine really lacks the
-thing. Without ``CI`` the same skips stay skips (a developer's machine), but a failed C build is
+must fail the run; an allow-listed skip stays a skip only on a test carrying its marker (``cuda``,
+``isa``) and only where the machine really lacks the thing; an xfail must be a strict marker.
+Without ``CI`` the same skips stay skips (a developer's machine), but a failed C build is
 a failure everywhere.
 """
 
@@ -41,8 +42,32 @@ def test_skip_cuda():
     pytest.skip("needs a CUDA GPU")
 
 
+@pytest.mark.cuda
+def test_skip_cuda_marked():
+    pytest.skip("needs a CUDA GPU")
+
+
 def test_skip_cpu_flags():
     pytest.skip("CPU lacks avx2 (C kernel variant avx2)")
+
+
+@pytest.mark.isa
+def test_skip_cpu_flags_marked():
+    pytest.skip("CPU lacks avx2 (C kernel variant avx2)")
+
+
+@pytest.mark.xfail(reason="a known bug")
+def test_xfail_not_strict():
+    assert False
+
+
+@pytest.mark.xfail(strict=True, reason="a known bug")
+def test_xfail_strict():
+    assert False
+
+
+def test_xfail_imperative():
+    pytest.xfail("a known bug")
 
 
 def test_c_kernels(c_kernels):
@@ -100,8 +125,15 @@ def _expected(ci: bool) -> dict[str, str]:
     return {
         "test_collect": forbidden,
         "test_skip_default_model": "failure" if ci else "skipped",
-        "test_skip_cuda": "failure" if ci and torch.cuda.is_available() else "skipped",
-        "test_skip_cpu_flags": "failure" if ci and not native.missing("avx2") else "skipped",
+        # an allow-listed reason counts only on a test carrying its marker, and where the machine lacks it
+        "test_skip_cuda": "failure" if ci else "skipped",
+        "test_skip_cuda_marked": "failure" if ci and torch.cuda.is_available() else "skipped",
+        "test_skip_cpu_flags": "failure" if ci else "skipped",
+        "test_skip_cpu_flags_marked": "failure" if ci and not native.missing("avx2") else "skipped",
+        # under CI an xfail must be a strict marker
+        "test_xfail_not_strict": "failure" if ci else "skipped",
+        "test_xfail_strict": "skipped",
+        "test_xfail_imperative": "failure" if ci else "skipped",
         # the C build fails everywhere the kernels could run: a failure with or without CI
         "test_c_kernels": "error" if has_vnni else "skipped",
         "test_plain": "passed",

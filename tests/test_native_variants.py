@@ -57,6 +57,7 @@ def test_kernels_summary_names_the_variant_or_why_torch(variant, monkeypatch):
     assert kernels_summary(model) == "torch's quantized kernels (TOKENBUDGET_NATIVE=0)"
 
 
+@pytest.mark.isa
 def test_start_up_line_names_the_kernel_variant(caplog):
     """The default model as it ships (Q4_1 GGUF -> int4) on the variant this CPU runs."""
     from tokenbudget import LLM
