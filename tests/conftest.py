@@ -122,6 +122,21 @@ def pytest_make_collect_report(collector):
     _fail(report, _forbidden_in_ci(report))
 
 
+@pytest.fixture(autouse=True)
+def _torch_seeded_and_threads_restored(request):
+    """Every test starts from torch's global RNG seeded by its own id (a test that draws without a
+    generator is reproducible, the same whatever ran before it) and leaves torch's thread count as
+    it found it (a fixture that sets 1 thread changed every later test's speed and schedules)."""
+    import zlib
+
+    import torch
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def c_kernels():
     """The loaded C kernel library of ``kernels/cpu``, in the variant the engine picks here.

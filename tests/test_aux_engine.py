@@ -15,6 +15,7 @@ from tokenbudget.engine.worker.kv_cache_alloc import allocate_kv_caches
 from tokenbudget.engine.worker.model_runner import ModelRunner
 from tokenbudget.scheduler.output import ScheduledRequest, SchedulerOutput
 
+from engine_fixtures import bounded
 from tiny_llama import make_tiny_llama
 
 TAPS = (3, 1)
@@ -81,7 +82,7 @@ def test_engine_steps_carry_each_rows_taps_through_chunks_verifies_and_retries(t
     final = {rid: list(p) for rid, p in prompts.items()}
     for rid, p in prompts.items():
         engine.add_request(rid, p, params)
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         for out in engine.step():
             final[out.request_id] += out.outputs[0].token_ids
     assert faults.failed == 3

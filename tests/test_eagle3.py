@@ -31,6 +31,7 @@ from eagle3_fixtures import (
     reference_drafts,
     token_ids,
 )
+from engine_fixtures import bounded
 from tiny_llama import VOCAB
 
 
@@ -205,7 +206,7 @@ def test_failed_step_rolls_the_head_state_back(dirs, baseline) -> None:
         eng.add_request(f"f{i}", p, greedy())
     out: dict[str, list[int]] = {}
     step = 0
-    while eng.has_unfinished_requests():
+    for _ in bounded(eng.has_unfinished_requests):
         plan.transient = 1 if step in (3, 5, 6) else 0  # decoding steps: the head has state to restore
         for o in eng.step():
             out[o.request_id] = list(o.outputs[0].token_ids)
@@ -336,7 +337,7 @@ def test_controller_learns_each_source_apart(dirs) -> None:
     eng.add_request("rep", "abc " * 12 + "abc", greedy(40))
     ctrl = eng.speculator.controller
     kinds: set = set()
-    while eng.has_unfinished_requests():
+    for _ in bounded(eng.has_unfinished_requests):
         eng.step()
         kinds |= {kd for kd in ctrl.kinds if "rep" in ctrl.estimator(kd)}
     assert any(isinstance(kd, tuple) and kd[0] == "suffix" for kd in kinds)
@@ -383,7 +384,7 @@ def test_controller_learns_the_heads_own_cost(dirs, monkeypatch) -> None:
     ctrl.choose = lambda reqs, base, caps, *rest: (choose(reqs, base, caps, *rest), [min(c, 3) for c in caps])[1]
     eng.add_request("chat", "tell me a story about a cat", greedy(24))
     eng.add_request("rep", "abc " * 12 + "abc", greedy(24))
-    while eng.has_unfinished_requests():
+    for _ in bounded(eng.has_unfinished_requests):
         eng.step()
     drafted = [s for s in shapes if s.draft_requests]
     proposer = eng.speculator.proposer

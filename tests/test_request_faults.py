@@ -19,6 +19,7 @@ import pytest
 from tokenbudget import LLM, AsyncLLM, SamplingParams
 from tokenbudget.engine.serve.limits import ServerLimits
 
+from engine_fixtures import bounded  # noqa: E402
 from serve_fixtures import KEY, running_server, wait_idle  # noqa: E402
 from tiny_llama import make_tiny_llama  # noqa: E402
 
@@ -172,7 +173,7 @@ def test_children_of_one_request_failing_alone_are_not_an_engine_fault(tiny_dir)
     runner.execute = execute
     offline.engine.add_request("doomed", "hi", SamplingParams(n=3, max_tokens=4))
     outputs = []
-    while offline.engine.has_unfinished_requests():
+    for _ in bounded(offline.engine.has_unfinished_requests):
         outputs.extend(offline.engine.step())
     assert offline.engine.is_healthy()
     assert [c.finish_reason for c in outputs[-1].outputs] == ["error"] * 3
