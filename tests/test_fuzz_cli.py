@@ -32,6 +32,20 @@ def test_fuzz_passes_on_real_scheduler(capsys):
     assert "seed=7" in out and "OK" in out
 
 
+def test_report_says_what_the_programs_reached(tmp_path, capsys):
+    """``--report``: the share of programs reaching each event, printed and as JSON; the machine
+    admits a batch at setup and steps it, so programs step and drafts get rejected."""
+    path = tmp_path / "coverage.json"
+    assert cli_fuzz.run(_args("--examples", "30", "--seed", "3", "--steps", "30", "--report",
+                              "--report-json", str(path))) == 0
+    out = capsys.readouterr().out
+    assert "event coverage over" in out and "late_fault_evicted" in out
+    report = json.loads(path.read_text())
+    assert report["programs"] >= 30 and report["seed"] == 3
+    assert all(0.0 <= share <= 1.0 for share in report["share"].values())
+    assert report["share"]["stepped"] > 0.3 and report["share"]["rejected_draft"] > 0
+
+
 def test_fuzz_with_config_file(tmp_path, capsys):
     path = tmp_path / "sched.toml"
     path.write_text("max_num_batched_tokens = 12\nmax_num_seqs = 3\nmax_model_len = 48\n"

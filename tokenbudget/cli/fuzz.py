@@ -1,6 +1,7 @@
 """``tokenbudget fuzz``: fuzz the scheduler + KV cache with the shipped Hypothesis state machine.
 
     tokenbudget fuzz [--examples N] [--seed S] [--config FILE] [--steps N] [--reproduce BLOB]
+                     [--report] [--report-json FILE]
 
 Exit status 0 when every invariant held, 1 after printing a shrunk failing program and the
 command that replays it, 2 on bad arguments (argparse) or an unreadable/invalid config file.
@@ -25,6 +26,10 @@ def _configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=50, help="most rules per program (default 50)")
     parser.add_argument("--reproduce", default=None, metavar="BLOB",
                         help="replay one shrunk failing program (VERSION:BLOB printed by a failing run)")
+    parser.add_argument("--report", action="store_true",
+                        help="after the run, print the share of programs that reached each event (preemption, "
+                             "prefix hit, eviction, rejected draft, late fault, ...)")
+    parser.add_argument("--report-json", default=None, metavar="FILE", help="write that report as JSON too")
     parser.set_defaults(func=run)
     return parser
 
@@ -55,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     engine_log.setLevel(logging.CRITICAL)
     try:
         return run_fuzz(args.examples, seed=args.seed, config=config, steps=args.steps,
-                        config_path=args.config, reproduce=args.reproduce)
+                        config_path=args.config, reproduce=args.reproduce,
+                        report=args.report or args.report_json is not None, report_json=args.report_json)
     finally:
         engine_log.setLevel(level)
 

@@ -140,6 +140,8 @@ class TransactionChecker:
     def __init__(self, core) -> None:
         self.core = core
         self.num_checked = 0
+        self.num_dirty = 0  # failed attempts rolled back after a forward pass
+        self.num_dirty_evictions = 0  # ... whose attempt had evicted a cached block
         inner_attempt, runner, pool = core._attempt, core.runner, core.scheduler.kv.pool
         real_execute, real_new_blocks = runner.execute, pool.get_new_blocks
         self._reached_runner = False
@@ -166,6 +168,9 @@ class TransactionChecker:
                 return inner_attempt(only)
             except BaseException:
                 if core.dead is None:
+                    if self._reached_runner:
+                        self.num_dirty += 1
+                        self.num_dirty_evictions += any(before["hashes"][i] is not None for i in self._handed_out)
                     try:
                         compare_after_rollback(before, state_fingerprint(core), self._reached_runner,
                                                frozenset(self._handed_out))

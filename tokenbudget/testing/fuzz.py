@@ -35,6 +35,7 @@ from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
 from tokenbudget.scheduler.config import SchedulerConfig
+from tokenbudget.testing.coverage import EventCoverage
 from tokenbudget.testing.state_machine import machine_for
 
 _BLOB_RE = re.compile(r"@reproduce_failure\((['\"])([^'\"]+)\1,\s*(b(['\"])[^'\"]*\4)\)")
@@ -94,18 +95,21 @@ def _parse_blob(blob: str) -> tuple[str, bytes]:
 
 def run_fuzz(examples: int = 200, seed: int | None = None, config: SchedulerConfig | None = None,
              steps: int = 50, print_blob: bool = True, *, config_path: str | None = None,
-             reproduce: str | None = None, out: TextIO | None = None) -> int:
+             reproduce: str | None = None, out: TextIO | None = None, report: bool = False,
+             report_json: str | None = None) -> int:
     """Fuzz the scheduler; 0 if every invariant held, 1 after printing a shrunk failing case.
 
     ``config_path`` only names the config in the printed replay command. ``reproduce`` replays
-    one shrunk program from a printed blob instead of searching.
+    one shrunk program from a printed blob instead of searching. ``report``: print the share of
+    programs that reached each event (``testing.coverage``) after the run; ``report_json``: write it.
     """
     out = out or sys.stdout
     if examples < 1 or steps < 1:
         raise ValueError(f"examples and steps must be >= 1, got examples={examples}, steps={steps}")
     if seed is None:
         seed = random.SystemRandom().randrange(2**32)
-    machine = machine_for(config)
+    coverage = EventCoverage()
+    machine = machine_for(config, coverage)
     machine = hypothesis.seed(seed)(machine)
     if reproduce is not None:
         version, blob = _parse_blob(reproduce)
@@ -122,6 +126,12 @@ def run_fuzz(examples: int = 200, seed: int | None = None, config: SchedulerConf
     except Exception as exc:  # noqa: BLE001 - any failure of the system under test is a finding
         _report_failure(exc, seed, examples, steps, config_path, out, reproduce)
         return 1
+    finally:
+        if report:
+            print(coverage.table(), file=out, flush=True)
+        if report_json:
+            with open(report_json, "w") as f:
+                json.dump({"seed": seed, "examples": examples, "steps": steps, **coverage.as_dict()}, f, indent=1)
     print(f"OK: every invariant held ({examples} examples, seed={seed})", file=out, flush=True)
     return 0
 

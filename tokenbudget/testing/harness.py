@@ -61,6 +61,7 @@ class Harness:
         self.errors: dict[str, str] = {}  # request_id -> the fault that ended it
         self.submitted: dict[str, Request] = {}
         self.num_steps = 0
+        self.num_busy_steps = 0  # steps that scheduled at least one request
 
     def make_request(self, rid: str, prompt: list[int], **kw) -> Request:
         return Request(rid, list(prompt), eos_token_id=self.spec.eos_token_id, sampling_params=DELTA_PARAMS, **kw)
@@ -83,6 +84,7 @@ class Harness:
         for out in self.core.step():
             self._collect(out)
         self.num_steps += 1
+        self.num_busy_steps += self.runner.last_sched is not None and not self.runner.last_sched.is_empty
         if self.check:
             self.scheduler.check_integrity()
             assert_monotone(self.core.speculator.stats.accepted_per_pos)

@@ -22,10 +22,12 @@ is free.
 from __future__ import annotations
 
 from hypothesis import strategies as st
+from hypothesis import target
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tokenbudget.api.errors import EngineDeadError
 from tokenbudget.scheduler.config import SchedulerConfig
+from tokenbudget.testing.coverage import EventCoverage
 from tokenbudget.testing.fake_model import FakeModelSpec
 from tokenbudget.testing.faults import FaultInjectingProposer, FaultInjectingRunner, FaultPlan, fail_after_outputs
 from tokenbudget.testing.fingerprint import TransactionChecker, check_tables
@@ -33,13 +35,17 @@ from tokenbudget.testing.harness import Harness
 from tokenbudget.testing.strategies import request_specs, scheduler_configs
 
 SPEC = FakeModelSpec()
-PREFIXES = {1: [5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49], 2: [7, 7, 7, 7, 3, 3, 3, 3, 11, 2]}
+# Shared prompt prefixes: the prefix cache hits only whole blocks (up to 16 tokens here), so one of
+# them spans two blocks of the largest size.
+PREFIXES = {1: [5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49], 2: [7, 7, 7, 7, 3, 3, 3, 3, 11, 2],
+            3: [(11 * i) % 50 + 3 for i in range(34)]}
 
 
 class SchedulerMachine(RuleBasedStateMachine):
     """Set ``fixed_config`` (a SchedulerConfig) on a subclass to fuzz one configuration."""
 
     fixed_config: SchedulerConfig | None = None
+    coverage: EventCoverage | None = None  # set on a subclass (``machine_for``) to collect the events reached
 
     def __init__(self) -> None:
         super().__init__()
@@ -49,8 +55,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.dead = False
         self.victims: set[str] = set()
 
-    @initialize(config=scheduler_configs(), seed=st.integers(0, 2**16))
-    def setup(self, config: SchedulerConfig, seed: int) -> None:
+    @initialize(config=scheduler_configs(), seed=st.integers(0, 2**16), data=st.data(), n=st.integers(2, 6))
+    def setup(self, config: SchedulerConfig, seed: int, data, n: int) -> None:
+        """The engine, its fault-free twin, and ``n`` requests in flight: programs start with a
+        batch (a program whose first rules step an empty engine or add bad requests reaches
+        nothing: 49 % of them stepped no request before)."""
         config = self.fixed_config or config
         self.runner_faults, self.proposer_faults, self.output_faults = FaultPlan(), FaultPlan(), FaultPlan()
         self.h = Harness(config, SPEC, seed=seed, wrap_runner=lambda r: FaultInjectingRunner(r, self.runner_faults))
@@ -58,6 +67,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         fail_after_outputs(self.h.core, self.output_faults)
         self.checker = TransactionChecker(self.h.core)
         self.twin = Harness(config, SPEC, seed=seed)
+        for _ in range(n):
+            self._add(data)
 
     @property
     def cfg(self) -> SchedulerConfig:
@@ -77,6 +88,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(alive)
     @rule(data=st.data())
     def add_request(self, data) -> None:
+        self._add(data)
+
+    def _add(self, data) -> None:
         spec = data.draw(request_specs(SPEC.vocab_size, self.cfg.max_model_len // 2))
         prompt = (PREFIXES.get(spec["shared_prefix"], []) + spec["prompt"])[: self.cfg.max_model_len]
         if self.h.submitted and data.draw(st.integers(0, 3)) == 0:  # an exact repeat: full prefix hits
@@ -143,6 +157,16 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self, k: int, p_correct: float) -> None:
         self._engine_may_die(lambda: self.h.step(k, p_correct))
         self.twin.step(k, p_correct)
+
+    @precondition(lambda self: self.alive() and self.h.scheduler.requests)
+    @rule(n=st.integers(2, 8), k=st.sampled_from([0, 1, 2, 4, 7]), p_correct=st.sampled_from([0.0, 0.5, 0.9, 1.0]))
+    def step_a_while(self, n: int, k: int, p_correct: float) -> None:
+        """Several steps in one rule: programs spend their budget stepping (where preemption,
+        eviction, prefix hits and late faults happen), not choosing the next rule."""
+        for _ in range(n):
+            if self.dead:
+                return
+            self.step(k, p_correct)
 
     def _engine_may_die(self, run) -> None:
         """Run ``run``; the engine may die only as the EngineCore promises: when every request
@@ -242,9 +266,23 @@ class SchedulerMachine(RuleBasedStateMachine):
             elif reason != "abort" and self.twin.finished.get(rid) not in (None, "abort"):
                 assert self.h.outputs[rid] == self.twin.outputs[rid], f"{rid}: output differs from the twin"
 
+    def events(self) -> dict[str, int]:
+        """What this program reached so far (``testing.coverage.EVENTS``)."""
+        h, stats = self.h, self.h.core.speculator.stats
+        return {"stepped": h.num_busy_steps, "preempted": h.scheduler.num_preemptions,
+                "prefix_hit": h.scheduler.kv.prefix_hits, "evicted": h.scheduler.kv.pool.num_evictions,
+                "rejected_draft": stats.num_draft_tokens - stats.num_accepted_tokens,
+                "late_fault": self.checker.num_dirty, "late_fault_evicted": self.checker.num_dirty_evictions,
+                "request_fault": sum(1 for reason in h.finished.values() if reason == "error")}
+
     def teardown(self) -> None:
         if self.h is None:
             return
+        events = self.events()
+        for name in ("stepped", "preempted", "prefix_hit", "evicted", "late_fault_evicted", "rejected_draft"):
+            target(float(min(events[name], 20)), label=name)  # steer generation towards the rare events
+        if self.coverage is not None:
+            self.coverage.record(events)
         if not self.dead:
             self._engine_may_die(lambda: self.h.run_until_done(k=2, p_correct=0.7, max_steps=20_000))
         self.twin.run_until_done(k=2, p_correct=0.7, max_steps=20_000)
@@ -261,6 +299,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert kv.num_free_blocks == kv.num_blocks, "blocks leaked after every request finished"
 
 
-def machine_for(config: SchedulerConfig | None) -> type[SchedulerMachine]:
-    """A SchedulerMachine subclass pinned to one configuration (None: random configurations)."""
-    return type("PinnedSchedulerMachine", (SchedulerMachine,), {"fixed_config": config})
+def machine_for(config: SchedulerConfig | None, coverage: EventCoverage | None = None) -> type[SchedulerMachine]:
+    """A SchedulerMachine subclass pinned to one configuration (None: random configurations),
+    recording the events its programs reach into ``coverage``."""
+    return type("PinnedSchedulerMachine", (SchedulerMachine,), {"fixed_config": config, "coverage": coverage})

@@ -32,7 +32,7 @@ def request_specs(vocab_size: int, max_prompt: int):
     """(prompt_suffix, use_shared_prefix, priority, max_tokens, min_tokens, ignore_eos, stop_ids)."""
     return st.fixed_dictionaries({
         "prompt": st.lists(st.integers(1, vocab_size - 1), min_size=1, max_size=max(1, max_prompt)),
-        "shared_prefix": st.sampled_from([0, 0, 1, 2]),
+        "shared_prefix": st.sampled_from([0, 1, 2, 3]),
         "priority": st.integers(-2, 2),
         "max_tokens": st.integers(1, 40),
         "min_tokens": st.sampled_from([0, 0, 0, 2]),
