@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from tokenbudget.api.sampling_params import SamplingParams
 from tokenbudget.engine.entrypoints.llm import LLM
@@ -57,6 +58,7 @@ def test_c_forward_is_the_torch_forward(family_dir, quantization) -> None:
     # rounding: a few 1e-3 of the logits' scale. A switch done wrong is off by their whole scale.
     for got, want in zip(c_path, torch_path):
         assert ((got - want).abs().max() / want.abs().max()).item() < 3e-2, name
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), name  # greedy: the same token at every position
 
 
 def test_speculation_on_the_c_forward_is_lossless(family_dir) -> None:
