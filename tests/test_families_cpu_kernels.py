@@ -1,9 +1,11 @@
 """The families on the C kernels (issue 39 item 2): where the C decoder forward runs a family's
 switches (q/k norms per head and over the projection, post norms, partial rotary, the attention
-scale, the residual multiplier, the embedding multiplier around it), it is installed, it computes
-what the torch forward computes over the same int8/int4 linears, and greedy speculation on it is
-exactly plain decoding under chunked prefill and preemption. Families with a switch it does not
-run yet say so in the kernels line and run the torch forward over the C GEMMs."""
+scale, the residual multiplier, the embedding multiplier around it, sliding windows, the attention
+soft-cap, GeGLU), it is installed, it computes what the torch forward computes over the same
+int8/int4 linears (the same greedy token at every position of prompts longer than the windows),
+and greedy speculation on it (drafts whose rows straddle a window's edge) is exactly plain
+decoding under chunked prefill and preemption. Families with a switch it does not run yet (the
+experts) say so in the kernels line and run the torch forward over the C GEMMs."""
 
 from __future__ import annotations
 

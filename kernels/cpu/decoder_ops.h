@@ -1,6 +1,6 @@
 /* The row operations of a decoder layer that the C forwards share (decoder_forward.c: the
  * target's layers; eagle3_head.c: the EAGLE-3 head's one layer): the 16-lane sum, RMSNorm, RoPE,
- * SiLU * up, and the attention of a request's rows over a paged K/V cache. Each is computed from
+ * SiLU or GELU-tanh * up, and the attention of a request's rows over a paged K/V cache. Each is computed from
  * its row (and the row's own context) alone, in an order fixed by the row: the batch invariance
  * and the variants' bitwise agreement that decoder_forward.c's header states rest on it. Static:
  * each including file gets its own copy. */
