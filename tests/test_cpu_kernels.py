@@ -40,6 +40,13 @@ CFG_BY_HEAD_DIM = {
     128: ModelConfig(vocab_size=101, hidden_size=256, intermediate_size=192, num_hidden_layers=2,
                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
                      rms_norm_eps=1e-5, tie_word_embeddings=True),
+    # Gemma 2's attention switches at D = 64: a sliding layer of 24 keys (contexts up to 290 cross it,
+    # verifies and chunks straddle it) beside a full one, the logit soft-cap, and GeGLU
+    "64 (window, soft-cap, GeGLU)": ModelConfig(
+        vocab_size=101, hidden_size=256, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        sliding_window=24, layer_types=("sliding_attention", "full_attention"), attn_logit_softcapping=2.0,
+        hidden_act="gelu_pytorch_tanh"),
 }
 
 
@@ -124,7 +131,7 @@ def cfg64(monkeypatch):
     monkeypatch.setattr(tbi, "CFG", CFG64)
 
 
-@pytest.fixture(params=sorted(CFG_BY_HEAD_DIM), ids=lambda d: f"head_dim{d}")
+@pytest.fixture(params=list(CFG_BY_HEAD_DIM), ids=lambda d: f"head_dim{d}")
 def cfg_d(request, monkeypatch):
     """Each head size's config, installed as the schedules' model config."""
     cfg = CFG_BY_HEAD_DIM[request.param]

@@ -1,15 +1,18 @@
 """The families on the C kernels (issue 39 item 2): where the C decoder forward runs a family's
 switches (q/k norms per head and over the projection, post norms, partial rotary, the attention
-scale, the residual multiplier, the embedding multiplier around it), it is installed, it computes
-what the torch forward computes over the same int8/int4 linears, and greedy speculation on it is
-exactly plain decoding under chunked prefill and preemption. Families with a switch it does not
-run yet say so in the kernels line and run the torch forward over the C GEMMs."""
+scale, the residual multiplier, the embedding multiplier around it, sliding windows, the attention
+soft-cap, GeGLU), it is installed, it computes what the torch forward computes over the same
+int8/int4 linears (the same greedy token at every position of prompts longer than the windows),
+and greedy speculation on it (drafts whose rows straddle a window's edge) is exactly plain
+decoding under chunked prefill and preemption. Families with a switch it does not run yet (the
+experts) say so in the kernels line and run the torch forward over the C GEMMs."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 
 from tokenbudget.api.sampling_params import SamplingParams
 from tokenbudget.engine.entrypoints.llm import LLM
@@ -23,12 +26,13 @@ from paged_forward import chunked_logits, make_runner, random_tables
 
 pytestmark = pytest.mark.skipif(library() is None, reason="needs a C compiler for the C kernels")
 
-# the family and the overrides that keep its C-forward switches and drop the ones it lacks (windows)
+# the family and its overrides: every dense family runs on the C forward, sliding windows of 8 keys
+# (prompts of 32-40 tokens cross them), Gemma 2's soft-cap and GeGLU included
 C_FORWARD = {
-    "llama": {}, "qwen3": {}, "olmo2": {}, "granite": {}, "phi3": {},
-    "qwen2": dict(use_sliding_window=False), "smollm3": dict(use_sliding_window=False),
+    "llama": {}, "qwen3": {}, "olmo2": {}, "granite": {}, "phi3": {}, "qwen2": {}, "smollm3": {},
+    "mistral": {}, "ministral": {}, "gemma2": {}, "gemma3_text": {},
 }
-TORCH_FORWARD = {"gemma2": "sliding windows", "gpt_oss": "experts"}
+TORCH_FORWARD = {"gpt_oss": "experts", "mixtral": "experts"}
 PROMPTS = [[(7 * i) % 250 for i in range(40)], [42] * 6 + list(range(100, 120)) + [42] * 6]
 
 
@@ -56,6 +60,7 @@ def test_c_forward_is_the_torch_forward(family_dir, quantization) -> None:
     # rounding: a few 1e-3 of the logits' scale. A switch done wrong is off by their whole scale.
     for got, want in zip(c_path, torch_path):
         assert ((got - want).abs().max() / want.abs().max()).item() < 3e-2, name
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), name  # greedy: the same token at every position
 
 
 def test_speculation_on_the_c_forward_is_lossless(family_dir) -> None:

@@ -64,15 +64,12 @@ def unsupported_switches(config) -> list[str]:
     """The config switches (``engine/model/config.py``) the C forward does not run: a model that
     sets one runs the torch forward over the same C GEMMs (said in the start-up line). The C forward
     runs q/k norms, every norm layout, partial rotary, NoPE layers, per-layer RoPE tables, the
-    attention scale and the residual multiplier; the embedding multiplier and the logits' scaling
-    and soft-cap are torch's, around it."""
+    attention scale, the residual multiplier, per-layer sliding windows, the attention logit
+    soft-cap and SiLU or GELU-tanh gates; the embedding multiplier and the logits' scaling and
+    soft-cap are torch's, around it."""
     c, out = config, []
-    if c.hidden_act != "silu":
+    if c.hidden_act not in ("silu", "gelu_pytorch_tanh"):
         out.append(c.hidden_act)
-    if any(c.layer_window(i) for i in range(c.num_hidden_layers)):
-        out.append("sliding windows")
-    if c.attn_logit_softcapping is not None:
-        out.append("attention soft-cap")
     if c.num_experts:
         out.append("experts")
     if c.attention_sinks:
@@ -159,8 +156,8 @@ class CpuForward:
                 return 0 if t is None else t.data_ptr()
             self._table = (TbLayer * len(kv_caches))(*[
                 TbLayer(*map(ptr, norms), ptr(None if r is None else r.cos), ptr(None if r is None else r.sin),
-                        kv.data_ptr(), *lins)
-                for norms, r, kv, lins in zip(self._norms, ropes, kv_caches, self._linears)])
+                        kv.data_ptr(), *lins, lw.window)
+                for norms, r, kv, lins, lw in zip(self._norms, ropes, kv_caches, self._linears, self.model.layers)])
             self._table_key = key
         return self._table
 
@@ -217,7 +214,8 @@ class CpuForward:
             head_dim=m.head_dim, intermediate=m.config.intermediate_size, num_layers=len(layers),
             block_size=kv_caches[0].shape[2], max_blocks=max_blocks, num_threads=torch.get_num_threads(),
             qk_norm={"none": 0, "head": 1, "proj": 2}[c.qk_norm], rotary_dim=c.rotary_dim,
-            eps=m.eps, scale=c.attention_scale or m.head_dim ** -0.5, residual_mult=c.residual_multiplier,
+            gelu=int(c.hidden_act == "gelu_pytorch_tanh"), eps=m.eps, scale=c.attention_scale or m.head_dim ** -0.5,
+            residual_mult=c.residual_multiplier, softcap=c.attn_logit_softcapping or 0.0,
             layers=layers, x=x.data_ptr(), positions=pos.data_ptr(), slots=slots.data_ptr(), row_ctx=ctx.data_ptr(),
             row_req=req.data_ptr(), block_tables=tables.data_ptr(), num_aux=num_aux,
             aux_layers=0 if aux_ids is None else aux_ids.data_ptr(), aux=0 if aux is None else aux.data_ptr()))

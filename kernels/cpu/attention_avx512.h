@@ -24,6 +24,17 @@ INLINE __m512 exp16(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
+/* softcap_n (attention_portable.h) in 16 lanes: cap * sign(y) (1 - t) / (1 + t), y = s / cap,
+ * t = exp16(-2 |y|): the same operations. */
+INLINE __m512 softcap16(__m512 s, float cap) {
+    const __m512 y = _mm512_div_ps(s, _mm512_set1_ps(cap)), zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+    const __mmask16 neg = _mm512_cmp_ps_mask(y, zero, _CMP_LT_OQ);
+    const __m512 ay = _mm512_mask_sub_ps(y, neg, zero, y);
+    const __m512 t = exp16(_mm512_mul_ps(ay, _mm512_set1_ps(-2.0f)));
+    const __m512 th = _mm512_div_ps(_mm512_sub_ps(one, t), _mm512_add_ps(one, t));
+    return _mm512_mul_ps(_mm512_mask_sub_ps(th, neg, zero, th), _mm512_set1_ps(cap));
+}
+
 /* Lane m of the result = sum16 of the lanes of a[(m % 4) * 4 + m / 4] (callers put key m in that
  * slot): lanes i + 8 added to i, then i + 4, then (0 + 2) + (1 + 3): sum16's tree, for 16 vectors
  * at once with no horizontal sum per vector. */
@@ -81,27 +92,31 @@ INLINE void qk_chunk(const float *qj, const float *const *keys, const int64_t n,
  * in order, of s_k[p] * v_p) * inv, in ND 16-lane slices. Each V row is loaded once for the whole
  * pass (NP * ND accumulators), walked block by block (no division per key). */
 INLINE void pv_pass(const int64_t NP, const int64_t ND, const Dims *dm, const float *kv, const int32_t *blocks,
-                    int64_t g, const float *scores, int64_t cmax, int64_t k0, const int64_t *pctx, const float *inv,
-                    int64_t gsz, float *out, int64_t ostride) {
+                    int64_t g, const float *scores, int64_t cmax, int64_t k0, const int64_t *pctx, const int64_t *pfirst,
+                    const float *inv, int64_t gsz, float *out, int64_t ostride) {
     const int64_t d = dm->d, bs = dm->bs, vstride = dm->hk * d;
     __m512 acc[PV_REGS];
     int64_t lo = INT64_MAX, hi = 0; /* all pairs run to lo; only some past it */
+    int64_t flo = INT64_MAX, fhi = 0; /* all pairs' windows start by fhi; some at flo */
     for (int64_t k = 0; k < NP; k++) {
         lo = pctx[k] < lo ? pctx[k] : lo;
         hi = pctx[k] > hi ? pctx[k] : hi;
+        flo = pfirst[k] < flo ? pfirst[k] : flo;
+        fhi = pfirst[k] > fhi ? pfirst[k] : fhi;
     }
     for (int64_t a = 0; a < NP * ND; a++) acc[a] = _mm512_setzero_ps();
     const float *sp = scores + k0 * cmax;
-    for (int64_t p0 = 0, b = 0; p0 < hi; p0 += bs, b++) {
-        const float *vrow = kv + (((int64_t)blocks[b] * 2 + 1) * bs) * vstride + g * d;
+    for (int64_t p0 = flo / bs * bs, b = flo / bs; p0 < hi; p0 += bs, b++) {
+        const int64_t pstart = p0 > flo ? p0 : flo;
+        const float *vrow = kv + (((int64_t)blocks[b] * 2 + 1) * bs + (pstart - p0)) * vstride + g * d;
         const int64_t pend = p0 + bs < hi ? p0 + bs : hi;
-        for (int64_t p = p0; p < pend; p++, vrow += vstride) {
+        for (int64_t p = pstart; p < pend; p++, vrow += vstride) {
             for (int64_t i = 0; i < ND; i++) /* 4 keys ahead (past a block's end: a harmless hint) */
                 _mm_prefetch((const char *)(vrow + 4 * vstride + LANES * i), _MM_HINT_T0);
             __m512 v[MAX_D / LANES];
             for (int64_t i = 0; i < ND; i++) v[i] = _mm512_loadu_ps(vrow + LANES * i);
             for (int64_t k = 0; k < NP; k++) {
-                if (p >= lo && p >= pctx[k]) continue;
+                if ((p >= lo && p >= pctx[k]) || (p < fhi && p < pfirst[k])) continue;
                 const __m512 sv = _mm512_set1_ps(sp[k * cmax + p]);
                 for (int64_t i = 0; i < ND; i++) acc[k * ND + i] = _mm512_add_ps(acc[k * ND + i], _mm512_mul_ps(sv, v[i]));
             }
@@ -119,10 +134,14 @@ INLINE void attend_nd(const int64_t ND, const Dims *dm, const float *q, int64_t 
                       const int32_t *ctxs, const float *kv, const int32_t *blocks, int64_t g, float *scores,
                       float *out, int64_t ostride) {
     const int64_t d = dm->d, hk = dm->hk, gsz = dm->hq / hk, bs = dm->bs;
-    int64_t cmax = 0;
-    for (int64_t r = 0; r < nr; r++) cmax = ctxs[r] > cmax ? ctxs[r] : cmax;
+    int64_t cmax = 0, kmin = INT64_MAX; /* keys [kmin, cmax) are some row's */
+    for (int64_t r = 0; r < nr; r++) {
+        cmax = ctxs[r] > cmax ? ctxs[r] : cmax;
+        kmin = first_key(dm, ctxs[r]) < kmin ? first_key(dm, ctxs[r]) : kmin;
+    }
     const __m512 scale = _mm512_set1_ps(dm->scale);
-    for (int64_t p0 = 0; p0 < cmax; p0 += LANES) {
+    /* chunks of 16 keys from kmin (a row scores some keys before its window: never read) */
+    for (int64_t p0 = kmin; p0 < cmax; p0 += LANES) {
         const int64_t n = cmax - p0 < LANES ? cmax - p0 : LANES;
         const float *keys[LANES]; /* the n keys' rows, walked block by block (no division per key) */
         for (int64_t i = 0, b = p0 / bs, off = p0 % bs; i < n; i++) {
@@ -137,7 +156,7 @@ INLINE void attend_nd(const int64_t ND, const Dims *dm, const float *q, int64_t 
             if (++off == bs) off = 0, b++;
         }
         for (int64_t r = 0; r < nr; r++) {
-            if (p0 >= ctxs[r]) continue;
+            if (p0 >= ctxs[r] || p0 + LANES <= first_key(dm, ctxs[r])) continue;
             const int64_t nk = ctxs[r] - p0 < LANES ? ctxs[r] - p0 : LANES; /* this row's keys here */
             for (int64_t j = 0; j < gsz; j++) {
                 const float *qj = q + r * qstride + (g * gsz + j) * d;
@@ -151,19 +170,24 @@ INLINE void attend_nd(const int64_t ND, const Dims *dm, const float *q, int64_t 
     }
     const int64_t npairs = nr * gsz;
     float inv[npairs];
-    int64_t pctx[npairs];
+    int64_t pctx[npairs], pfirst[npairs];
     for (int64_t pr = 0; pr < npairs; pr++) {
-        const int64_t ctx = pctx[pr] = ctxs[pr / gsz];
+        const int64_t ctx = pctx[pr] = ctxs[pr / gsz], lo = pfirst[pr] = first_key(dm, ctx);
         float *s = scores + pr * cmax;
+        if (dm->softcap != 0.0f)
+            for (int64_t p = lo; p < ctx; p += LANES) {
+                const __mmask16 mk = ctx - p >= LANES ? 0xFFFF : (__mmask16)((1u << (ctx - p)) - 1);
+                _mm512_mask_storeu_ps(s + p, mk, softcap16(_mm512_maskz_loadu_ps(mk, s + p), dm->softcap));
+            }
         __m512 mxv = _mm512_set1_ps(-INFINITY);
-        for (int64_t p = 0; p < ctx; p += LANES) {
+        for (int64_t p = lo; p < ctx; p += LANES) {  /* key p in lane (p - lo) % 16 */
             const __mmask16 mk = ctx - p >= LANES ? 0xFFFF : (__mmask16)((1u << (ctx - p)) - 1);
             mxv = _mm512_mask_max_ps(mxv, mk, mxv, _mm512_maskz_loadu_ps(mk, s + p));
         }
         /* a maximum is exact whatever the order (a zero's sign aside, which exp_poly(s - mx) ignores) */
         const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mxv));
         __m512 sum = _mm512_setzero_ps();
-        for (int64_t p = 0; p < ctx; p += LANES) {
+        for (int64_t p = lo; p < ctx; p += LANES) {
             const __mmask16 mk = ctx - p >= LANES ? 0xFFFF : (__mmask16)((1u << (ctx - p)) - 1);
             const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + p), mx));
             _mm512_mask_storeu_ps(s + p, mk, e);
@@ -176,7 +200,7 @@ INLINE void attend_nd(const int64_t ND, const Dims *dm, const float *q, int64_t 
     const int64_t width = PV_REGS / ND;
     for (int64_t k0 = 0; k0 < npairs; k0 += width) {
         const int64_t np = npairs - k0 < width ? npairs - k0 : width;
-#define PV(NP) pv_pass(NP, ND, dm, kv, blocks, g, scores, cmax, k0, pctx + k0, inv, gsz, out, ostride)
+#define PV(NP) pv_pass(NP, ND, dm, kv, blocks, g, scores, cmax, k0, pctx + k0, pfirst + k0, inv, gsz, out, ostride)
         switch (ND == 4 || ND == 8 ? np : 0) {
         case 1: PV(1); break;
         case 2: PV(2); break;

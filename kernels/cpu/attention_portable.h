@@ -84,6 +84,25 @@ INLINE float dotn(const float *q, const float *k, const int64_t ND) {
 
 /* Softmax of one pair's ctx scores in place (exp_poly(s - max)); returns 1 / their sum, taken in
  * 16 lanes (position p in lane p % 16) and then sum16. */
+/* cap * tanh(s / cap) lane by lane: tanh(y) = sign(y) (1 - t) / (1 + t), t = exp_poly(-2 |y|). */
+INLINE vn softcap_n(vn s, float cap) {
+    const vn y = s / cap, ay = selectn(y < splat(0.0f), splat(0.0f) - y, y);
+    const vn t = exp_poly(ay * -2.0f), th = (splat(1.0f) - t) / (splat(1.0f) + t);
+    return selectn(y < splat(0.0f), splat(0.0f) - th, th) * cap;
+}
+
+/* The soft-cap over n scores in place (the tail through a 16-lane buffer). */
+INLINE void softcap_scores(float *s, int64_t n, float cap) {
+    int64_t p = 0;
+    for (; p + VL <= n; p += VL) storen(s + p, softcap_n(loadn(s + p), cap));
+    if (p < n) {
+        float tail[VL] = {0};
+        memcpy(tail, s + p, (n - p) * sizeof(float));
+        storen(tail, softcap_n(loadn(tail), cap));
+        memcpy(s + p, tail, (n - p) * sizeof(float));
+    }
+}
+
 INLINE float softmax_lanes(float *s, int64_t ctx) {
     float mx = -INFINITY; /* a maximum is exact in any order */
     vn mxv = splat(-INFINITY);
@@ -118,16 +137,20 @@ INLINE void attend_nd(const int64_t ND, const Dims *dm, const float *q, int64_t 
                       const int32_t *ctxs, const float *kv, const int32_t *blocks, int64_t g, float *scores,
                       float *out, int64_t ostride) {
     const int64_t d = dm->d, hk = dm->hk, gsz = dm->hq / hk, bs = dm->bs, vstride = hk * d;
-    int64_t cmax = 0;
-    for (int64_t r = 0; r < nr; r++) cmax = ctxs[r] > cmax ? ctxs[r] : cmax;
+    int64_t cmax = 0, kmin = INT64_MAX; /* keys [kmin, cmax) are some row's */
+    for (int64_t r = 0; r < nr; r++) {
+        cmax = ctxs[r] > cmax ? ctxs[r] : cmax;
+        kmin = first_key(dm, ctxs[r]) < kmin ? first_key(dm, ctxs[r]) : kmin;
+    }
     /* scores: each key row is read once for all nr * G pairs, walked block by block */
-    for (int64_t p0 = 0, b = 0; p0 < cmax; p0 += bs, b++) {
-        const float *krow = kv + ((int64_t)blocks[b] * 2 * bs) * vstride + g * d;
+    for (int64_t p0 = kmin / bs * bs, b = kmin / bs; p0 < cmax; p0 += bs, b++) {
+        const int64_t pstart = p0 > kmin ? p0 : kmin;
+        const float *krow = kv + ((int64_t)blocks[b] * 2 * bs + (pstart - p0)) * vstride + g * d;
         const int64_t pend = p0 + bs < cmax ? p0 + bs : cmax;
-        for (int64_t p = p0; p < pend; p++, krow += vstride) {
+        for (int64_t p = pstart; p < pend; p++, krow += vstride) {
             for (int64_t e = 0; e < ND; e++) __builtin_prefetch(krow + 4 * vstride + LANES * e);
             for (int64_t r = 0; r < nr; r++) {
-                if (p >= ctxs[r]) continue;
+                if (p >= ctxs[r] || p < first_key(dm, ctxs[r])) continue;
                 for (int64_t j = 0; j < gsz; j++)
                     scores[(r * gsz + j) * cmax + p] = dotn(q + r * qstride + (g * gsz + j) * d, krow, ND) * dm->scale;
             }
@@ -135,15 +158,17 @@ INLINE void attend_nd(const int64_t ND, const Dims *dm, const float *q, int64_t 
     }
     /* per pair: softmax, then P @ V in key order (ND * NV accumulators in registers) */
     for (int64_t pr = 0; pr < nr * gsz; pr++) {
-        const int64_t ctx = ctxs[pr / gsz];
+        const int64_t ctx = ctxs[pr / gsz], lo = first_key(dm, ctx);
         float *s = scores + pr * cmax;
-        const float inv = softmax_lanes(s, ctx);
+        if (dm->softcap != 0.0f) softcap_scores(s + lo, ctx - lo, dm->softcap);
+        const float inv = softmax_lanes(s + lo, ctx - lo); /* key p in lane (p - lo) % 16 */
         vn acc[MAX_D / VL];
         for (int64_t i = 0; i < ND * NV; i++) acc[i] = splat(0.0f);
-        for (int64_t p0 = 0, b = 0; p0 < ctx; p0 += bs, b++) {
-            const float *vrow = kv + (((int64_t)blocks[b] * 2 + 1) * bs) * vstride + g * d;
+        for (int64_t p0 = lo / bs * bs, b = lo / bs; p0 < ctx; p0 += bs, b++) {
+            const int64_t pstart = p0 > lo ? p0 : lo;
+            const float *vrow = kv + (((int64_t)blocks[b] * 2 + 1) * bs + (pstart - p0)) * vstride + g * d;
             const int64_t pend = p0 + bs < ctx ? p0 + bs : ctx;
-            for (int64_t p = p0; p < pend; p++, vrow += vstride) {
+            for (int64_t p = pstart; p < pend; p++, vrow += vstride) {
                 for (int64_t e = 0; e < ND; e++) __builtin_prefetch(vrow + 4 * vstride + LANES * e);
                 const vn sp = splat(s[p]);
                 for (int64_t i = 0; i < ND * NV; i++) acc[i] = acc[i] + sp * loadn(vrow + VL * i);

@@ -30,6 +30,7 @@ typedef struct {
     const float *cos, *sin;
     float *kv;
     Lin qkv, o, gate_up, down;
+    int64_t window; /* sliding window in keys (0: the whole context), Dims.window */
 } TbLayer;
 
 /* One call. x [T][H] (in: embeddings; out: the last layer's residual stream, before the final
@@ -42,8 +43,9 @@ typedef struct {
  * num_aux = 0 (aux and aux_layers null) taps nothing, and the taps never change x. */
 typedef struct {
     int64_t num_tokens, hidden, num_heads, num_kv_heads, head_dim, intermediate, num_layers, block_size, max_blocks,
-        num_threads, qk_norm, rotary_dim;
-    float eps, scale, residual_mult; /* RMSNorm epsilon, softmax scale, residual multiplier */
+        num_threads, qk_norm, rotary_dim, gelu; /* gelu: the MLP's gate is gelu_tanh (GeGLU), else SiLU */
+    /* RMSNorm epsilon, softmax scale, residual multiplier, attention logit soft-cap (0: none) */
+    float eps, scale, residual_mult, softcap;
     const TbLayer *layers;
     float *x;
     const int64_t *positions;
@@ -93,8 +95,8 @@ static void norm_rows(const float *x, const float *w, int64_t t, int64_t h, floa
 int tb_forward(const TbForward *a) {
     const int64_t t = a->num_tokens, nl = a->num_layers;
     const int nthreads = tb_team(t, (int)a->num_threads);
-    const Dims dm = {a->hidden, a->num_heads, a->num_kv_heads, a->head_dim, a->intermediate, a->block_size,
-                     a->max_blocks, a->eps, a->scale};
+    Dims dm = {a->hidden, a->num_heads, a->num_kv_heads, a->head_dim, a->intermediate, a->block_size,
+                     a->max_blocks, a->eps, a->scale, 0, a->softcap};
     float *x = a->x;
     const int64_t *positions = a->positions, *slots = a->slots;
     const int32_t *row_ctx = a->row_ctx, *row_req = a->row_req, *block_tables = a->block_tables;
@@ -124,6 +126,7 @@ int tb_forward(const TbForward *a) {
     for (int64_t l = 0; l < nl && rc == 0; l++) {
         const TbLayer *layer = a->layers + l;
         float *kv = layer->kv;
+        dm.window = layer->window;
         const Lin *lqkv = &layer->qkv, *lo = &layer->o, *lgu = &layer->gate_up, *ldn = &layer->down;
         for (int64_t j = 0; j < a->num_aux; j++)
             if (a->aux_layers[j] == l) tap_rows(a, j);
@@ -174,7 +177,13 @@ int tb_forward(const TbForward *a) {
         norm_rows(x, layer->mlp_in_norm, t, h, dm.eps, hs, par_rows);
         rc |= tb_linear(lgu, hs, t, h, 2 * inter, gu, 0, nthreads, &rows);
 #pragma omp parallel for num_threads(par_rows) schedule(static)
-        for (int64_t r = 0; r < t; r++) silu_mul_row(gu + r * 2 * inter, gu + r * 2 * inter + inter, inter, act + r * inter);
+        for (int64_t r = 0; r < t; r++) {
+            const float *gr = gu + r * 2 * inter;
+            if (a->gelu)
+                gelu_mul_row(gr, gr + inter, inter, act + r * inter);
+            else
+                silu_mul_row(gr, gr + inter, inter, act + r * inter);
+        }
         if (layer->mlp_out_norm || rm != 1.0f) {
             rc |= tb_linear(ldn, act, t, inter, h, blk, 0, nthreads, &rows);
             add_block(x, blk, t, h, layer->mlp_out_norm, dm.eps, rm, tmp, par_rows);

@@ -22,11 +22,11 @@ class TbLinear(ctypes.Structure):
 
 class TbLayer(ctypes.Structure):
     """One decoder layer: norm weights by role (0: the layer has none), q/k norms, its RoPE table
-    (0: no RoPE), its KV cache ``[blocks, 2, block_size, Hk, D]``, linears."""
+    (0: no RoPE), its KV cache ``[blocks, 2, block_size, Hk, D]``, linears, its sliding window (0: none)."""
 
     _fields_ = [("attn_in_norm", _P), ("attn_out_norm", _P), ("mlp_in_norm", _P), ("mlp_out_norm", _P),
                 ("q_norm", _P), ("k_norm", _P), ("cos", _P), ("sin", _P), ("kv", _P),
-                ("qkv", TbLinear), ("o", TbLinear), ("gate_up", TbLinear), ("down", TbLinear)]
+                ("qkv", TbLinear), ("o", TbLinear), ("gate_up", TbLinear), ("down", TbLinear), ("window", _I64)]
 
 
 class TbForward(ctypes.Structure):
@@ -36,7 +36,7 @@ class TbForward(ctypes.Structure):
     _fields_ = [("num_tokens", _I64), ("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64),
                 ("head_dim", _I64), ("intermediate", _I64), ("num_layers", _I64), ("block_size", _I64),
                 ("max_blocks", _I64), ("num_threads", _I64), ("qk_norm", _I64), ("rotary_dim", _I64),
-                ("eps", _F32), ("scale", _F32), ("residual_mult", _F32),
+                ("gelu", _I64), ("eps", _F32), ("scale", _F32), ("residual_mult", _F32), ("softcap", _F32),
                 ("layers", ctypes.POINTER(TbLayer)), ("x", _P), ("positions", _P),
                 ("slots", _P), ("row_ctx", _P), ("row_req", _P), ("block_tables", _P),
                 ("num_aux", _I64), ("aux_layers", _P), ("aux", _P)]

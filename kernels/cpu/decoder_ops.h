@@ -1,6 +1,6 @@
 /* The row operations of a decoder layer that the C forwards share (decoder_forward.c: the
  * target's layers; eagle3_head.c: the EAGLE-3 head's one layer): the 16-lane sum, RMSNorm, RoPE,
- * SiLU * up, and the attention of a request's rows over a paged K/V cache. Each is computed from
+ * SiLU or GELU-tanh * up, and the attention of a request's rows over a paged K/V cache. Each is computed from
  * its row (and the row's own context) alone, in an order fixed by the row: the batch invariance
  * and the variants' bitwise agreement that decoder_forward.c's header states rest on it. Static:
  * each including file gets its own copy. */
@@ -21,10 +21,17 @@ INLINE float sum16(const float a[LANES]) {
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
+/* window: a query at context c sees keys [c - window, c) only (0: all, the torch reference's rule);
+ * softcap: scores -> softcap * tanh(score / softcap) before the softmax (0: none, Gemma 2). */
 typedef struct {
     int64_t h, hq, hk, d, inter, bs, max_blocks;
     float eps, scale;
+    int64_t window;
+    float softcap;
 } Dims;
+
+/* The first key a query at context ctx sees (its sliding window's start; 0 without one). */
+INLINE int64_t first_key(const Dims *dm, int64_t ctx) { return dm->window && ctx > dm->window ? ctx - dm->window : 0; }
 
 #define MAX_ROWS 8  /* consecutive rows of one request attended together (one pass over its keys) */
 #define MAX_D 256
@@ -104,6 +111,27 @@ static void silu_mul_row(const float *gr, const float *ur, int64_t inter, float 
 #else
     for (int64_t i = 0; i < inter; i += VL) {
         const vn gv = loadn(gr + i), sig = splat(1.0f) / (splat(1.0f) + exp_poly(splat(0.0f) - gv));
+        storen(ar + i, (gv * sig) * loadn(ur + i));
+    }
+#endif
+}
+
+/* out = gelu_tanh(g) * u over I values: 0.5 g (1 + tanh(u)) written as g * sigmoid(2u), u =
+ * sqrt(2/pi) (g + 0.044715 g^3) (the same function; no cancellation for negative g). */
+static void gelu_mul_row(const float *gr, const float *ur, int64_t inter, float *ar) {
+#if defined(TB_AVX512_VNNI)
+    for (int64_t i = 0; i < inter; i += LANES) {
+        const __m512 gv = _mm512_loadu_ps(gr + i), one = _mm512_set1_ps(1.0f);
+        const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(gv, gv), gv);
+        const __m512 u = _mm512_mul_ps(_mm512_add_ps(gv, _mm512_mul_ps(cube, _mm512_set1_ps(0.044715f))),
+                                       _mm512_set1_ps(0.7978845608028654f));
+        const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_mul_ps(u, _mm512_set1_ps(-2.0f)))));
+        _mm512_storeu_ps(ar + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_loadu_ps(ur + i)));
+    }
+#else
+    for (int64_t i = 0; i < inter; i += VL) {
+        const vn gv = loadn(gr + i), u = (gv + ((gv * gv) * gv) * 0.044715f) * 0.7978845608028654f;
+        const vn sig = splat(1.0f) / (splat(1.0f) + exp_poly(u * -2.0f));
         storen(ar + i, (gv * sig) * loadn(ur + i));
     }
 #endif
