@@ -4,8 +4,9 @@ FCFS: arrival order, except that a preempted request goes back to the head.
 Priority: smallest ``(priority, arrival_index)`` first; a preempted request keeps its key, so it
 comes back in its rightful place.
 
-``remove`` returns where the request was and ``restore`` puts it back there (the undo of a
-step that took a request out of the middle of the queue).
+``remove`` and ``pop_head`` return where the request was and ``prepend(request, index)`` puts it
+back there (the undo of a step that admitted it: ``Scheduler._undo_admit``); a preempted request
+is prepended at the head, index 0. One insertion, so the queues have no undo method of their own.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ class FCFSQueue:
     def add(self, request: Request) -> None:
         self._q.append(request)
 
-    def prepend(self, request: Request) -> None:
-        self._q.appendleft(request)
+    def prepend(self, request: Request, index: int = 0) -> None:
+        """Put ``request`` at ``index`` (the head by default)."""
+        self._q.insert(index, request)
 
     def peek(self) -> Request:
         return self._q[0]
@@ -37,9 +39,6 @@ class FCFSQueue:
         index = self._q.index(request)
         del self._q[index]
         return index
-
-    def restore(self, index: int, request: Request) -> None:
-        self._q.insert(index, request)
 
     def __len__(self) -> int:
         return len(self._q)
@@ -55,7 +54,9 @@ class PriorityQueue:
     def add(self, request: Request) -> None:
         heapq.heappush(self._heap, (request.priority, request.arrival_index, request))
 
-    prepend = add
+    def prepend(self, request: Request, index: int | None = None) -> None:
+        """Back in the queue: the key alone fixes the place (``index`` is ignored)."""
+        self.add(request)
 
     def peek(self) -> Request:
         return self._heap[0][2]
@@ -66,9 +67,6 @@ class PriorityQueue:
     def remove(self, request: Request) -> None:
         self._heap = [e for e in self._heap if e[2] is not request]
         heapq.heapify(self._heap)
-
-    def restore(self, index: None, request: Request) -> None:
-        self.add(request)  # the key alone fixes the place
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -88,6 +86,6 @@ def heads(waiting):
 
 
 def pop_head(waiting) -> int:
-    """Take the head; its position (for ``restore``)."""
+    """Take the head; its position (for ``prepend``)."""
     waiting.pop()
     return 0

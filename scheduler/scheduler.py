@@ -218,7 +218,7 @@ class Scheduler:
     def _undo_admit(self, dirty: bool, request: Request, position, status: RequestStatus, num_cached: int) -> None:
         self.running.remove(request)
         request.status, request.num_computed_tokens, request.num_cached_tokens = status, 0, num_cached
-        self.waiting.restore(position, request)
+        self.waiting.prepend(request, position)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Recompute later: free every block, forget computed KV and drafts, back to the queue head.

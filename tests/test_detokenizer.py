@@ -158,3 +158,41 @@ def test_text_does_not_depend_on_step_grouping(sp_tok: Tokenizer, data) -> None:
         deltas.append(detok.add_tokens(ids[i:i + n]))
         i += n
     assert "".join(deltas) == "".join(one_by_one) == detok.output_text
+
+
+@pytest.mark.parametrize("stop", [(), ("world",)])
+def test_a_rolled_back_step_leaves_no_text_behind(smol: Tokenizer, stop) -> None:
+    """The detokenizer is part of its output record (``RequestState.__copy__`` copies it): a step
+    whose outputs were prepared and then rolled back leaves the text as it was, so running the
+    step again gives the text of one run (fails if the record's copy shares the detokenizer: the
+    step's tokens are added twice)."""
+    from tokenbudget import SamplingParams
+    from tokenbudget.api.sampling_params import RequestOutputKind
+    from tokenbudget.engine.core.output_processor import OutputProcessor
+    from tokenbudget.scheduler.output import EngineCoreOutput
+    from tokenbudget.scheduler.request import Request
+
+    ids = smol.encode("Hello, big world of text")
+    params = SamplingParams(max_tokens=32, stop=list(stop), output_kind=RequestOutputKind.DELTA)
+    processor = OutputProcessor(smol)
+    request = Request("a", smol.encode("A prompt:"), max_tokens=32, sampling_params=params)
+    processor.add_request(request)
+    states = processor.states
+
+    def step(tokens: list[int]) -> str:
+        outputs = processor.prepare([EngineCoreOutput("a", list(tokens))])
+        request.all_token_ids.extend(tokens)
+        return "".join(o.outputs[0].text for o in outputs)
+
+    request.all_token_ids = list(request.prompt_token_ids)
+    first = step(ids[:2])  # committed (no step open)
+    states.begin()
+    step(ids[2:])
+    states.rollback()
+    del request.all_token_ids[len(request.all_token_ids) - len(ids[2:]):]
+    states.begin()
+    again = step(ids[2:])
+    states.commit()
+    want = smol.decode(ids)
+    want = want.split("world")[0] if stop else want
+    assert first + again == want and states["a"].detok.output_text == want, (first, again)

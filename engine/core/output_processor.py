@@ -72,7 +72,6 @@ class OutputProcessor:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
         state = RequestState(request, prompt, params, detok,
                              bool(params.stop) or params.output_kind != FINAL_ONLY, index,
-                             detok.snapshot() if detok is not None else None,
                              arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         if params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
@@ -226,7 +225,7 @@ class OutputProcessor:
         request = state.request
         num_before = request.num_output_tokens
         if detok is None and state.detok is not None:
-            detok = state.detokenizer()
+            detok = state.detok
             if finished and not state.detok_each_step:  # FINAL_ONLY without stop strings: decoded once, now
                 tokens = request.output_token_ids + list(new_ids)
                 drop = text_drops_stop_token(state, status, stop_reason, tokens[-1] if tokens else None)
@@ -241,7 +240,6 @@ class OutputProcessor:
             else:
                 state.streamed_text += delta
                 text = state.streamed_text
-            state.keep_text()
         if kind == DELTA:
             token_ids = list(new_ids)
             logprobs = state.logprobs[num_before:] if state.logprobs is not None else None

@@ -7,14 +7,15 @@ appended to, so the copy (``__copy__``: one reference per field) leaves the reco
 keeps exactly as it was. The output tokens themselves are not kept here: the scheduler's
 ``Request.all_token_ids`` holds the committed ones, and a step's new tokens are in its plan.
 
-The detokenizer is the one mutable object a record points to. Its value is ``detok_state`` (the
-detokenizer's snapshot, a tuple); the object is a scratch copy that ``detokenizer`` brings back
-to the record's value before every use and ``keep_text`` saves after it, so a step that was rolled
-back leaves nothing of its text behind.
+The detokenizer is the one mutable object a record points to, and it is part of the record: the
+record's copy copies it too (``IncrementalDetokenizer.__copy__``: its token window is a list), so
+the step's own record changes its own detokenizer, and the record a rollback puts back still has
+the text it had when the step began. No snapshot, no restore: the table's journal is the only one.
 """
 
 from __future__ import annotations
 
+from copy import copy
 from dataclasses import dataclass, fields
 from operator import attrgetter
 
@@ -34,7 +35,6 @@ class RequestState:
     detok: IncrementalDetokenizer | None  # None without a tokenizer: token ids only
     detok_each_step: bool  # False: FINAL_ONLY without stop strings decodes once, at the end
     index: int = 0  # CompletionOutput.index (the child's number when n > 1)
-    detok_state: tuple | None = None  # the detokenizer's value (its snapshot), see the module doc
     logprobs: list[dict[int, Logprob]] | None = None  # one per committed output token
     cumulative_logprob: float | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
@@ -50,16 +50,10 @@ class RequestState:
     last_token_time: float | None = None
 
     def __copy__(self) -> RequestState:
-        return RequestState(*_FIELDS(self))
-
-    def detokenizer(self) -> IncrementalDetokenizer:
-        """The detokenizer, at this record's value (call only when ``detok`` is not None)."""
-        self.detok.restore(self.detok_state)
-        return self.detok
-
-    def keep_text(self) -> None:
-        """This record's value is now the detokenizer's (after using it)."""
-        self.detok_state = self.detok.snapshot()
+        record = RequestState(*_FIELDS(self))
+        if record.detok is not None:
+            record.detok = copy(record.detok)
+        return record
 
 
 _FIELDS = attrgetter(*(f.name for f in fields(RequestState)))
@@ -78,23 +72,22 @@ def text_drops_stop_token(state: RequestState, status: RequestStatus | None, sto
 
 def add_text(state: RequestState, entry: EngineCoreOutput) -> IncrementalDetokenizer:
     """The step's tokens into the text, and its stop strings; the detokenizer, for the output."""
-    text_before = state.detok_state
-    detok = state.detokenizer()
+    text_before = copy(state.detok) if state.params.stop else None
+    detok = state.detok
     text_ids = entry.new_token_ids
     if text_drops_stop_token(state, entry.finish_status, entry.stop_reason, text_ids[-1]):
         text_ids = text_ids[:-1]
     detok.add_tokens(text_ids)
-    if state.params.stop:
+    if text_before is not None:
         _check_stop_strings(state, entry, detok, text_before)
-    state.keep_text()
-    return detok
+    return state.detok
 
 
 def _check_stop_strings(state: RequestState, entry: EngineCoreOutput, detok: IncrementalDetokenizer,
-                        text_before: tuple) -> None:
+                        text_before: IncrementalDetokenizer) -> None:
     """End the request at the first stop string, keeping only the tokens up to the one that
-    completed it (found by replaying this step's tokens one at a time from ``text_before``,
-    the detokenizer's value before them).
+    completed it (found by replaying this step's tokens one at a time on a copy of
+    ``text_before``, the detokenizer before them, which becomes the record's).
 
     As vLLM (its #21987): stop strings count only once the output is longer than
     ``min_tokens``; the text of the first ``min_tokens`` outputs is never searched (a stop
@@ -112,7 +105,7 @@ def _check_stop_strings(state: RequestState, entry: EngineCoreOutput, detok: Inc
             return
     keep = len(new)
     if keep > 1 or num_before < params.min_tokens:
-        detok.restore(text_before)
+        detok = state.detok = text_before
         matched = None
         for keep in range(1, len(new) + 1):
             detok.add_tokens(new[keep - 1:keep])

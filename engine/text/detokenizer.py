@@ -53,15 +53,14 @@ class IncrementalDetokenizer:
         self._streamed_len = 0
         self._stopped = False
 
-    def snapshot(self) -> tuple:
-        """The whole state (for ``restore``): a failed engine step puts the text back."""
-        return (list(self._ids), self._prefix_offset, self._read_offset, self.output_text,
-                self._checked_len, self._streamed_len, self._stopped)
-
-    def restore(self, saved: tuple) -> None:
-        ids, self._prefix_offset, self._read_offset, self.output_text, self._checked_len, \
-            self._streamed_len, self._stopped = saved
-        self._ids = list(ids)
+    def __copy__(self) -> IncrementalDetokenizer:
+        """An independent detokenizer at the same text: part of the output record's copy
+        (``engine.core.request_state``), so a step's text lives in the step's own record."""
+        other = IncrementalDetokenizer.__new__(IncrementalDetokenizer)
+        for name in self.__slots__:
+            setattr(other, name, getattr(self, name))
+        other._ids = list(self._ids)
+        return other
 
     @property
     def num_pending_tokens(self) -> int:
