@@ -33,14 +33,16 @@ SHAPES = {  # size -> a body of about that many bytes
 
 
 def decode_seconds(body: bytes, repeats: int) -> float:
+    """The least CPU time of this thread over ``repeats`` decodes: other processes on a shared
+    machine (a CI run beside benchmarks) stretch wall time, not this thread's CPU time."""
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.thread_time()
         try:
             proto.decode(body, proto.CompletionRequest, LIMITS)
         except ValueError:
             pass
-        best = min(best, time.perf_counter() - start)
+        best = min(best, time.thread_time() - start)
     return best
 
 
@@ -50,8 +52,13 @@ def test_checking_a_body_grows_linearly_with_its_size(shape):
     make = SHAPES[shape]
     small, large = make(SMALL), make(LARGE)
     decode_seconds(small, 1)  # warm
-    ratio = decode_seconds(large, 2) / decode_seconds(small, 5)
-    assert ratio < 64, f"{shape}: 16x the bytes took {ratio:.0f}x the time"
+    small_s, large_s = float("inf"), float("inf")
+    for _ in range(3):  # interleaved: a slow moment of the machine hits both sizes alike
+        small_s = min(small_s, decode_seconds(small, 3))
+        large_s = min(large_s, decode_seconds(large, 1))
+    ratio = large_s / max(small_s, 1e-6)
+    # linear: 16x; quadratic (the regex scan this replaced): 256x; the margin absorbs cache effects
+    assert ratio < 128, f"{shape}: 16x the bytes took {ratio:.0f}x the CPU time"
 
 
 @pytest.mark.parametrize("depth", [33, 40, 64])

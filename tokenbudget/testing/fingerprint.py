@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from tokenbudget.engine.text.detokenizer import IncrementalDetokenizer
 from tokenbudget.kv_cache.block import KVBlock
 from tokenbudget.request_table import EngineRecord
 from tokenbudget.scheduler.request import Request, RequestStatus
@@ -36,13 +37,16 @@ _MOVES_ON_DIRTY = ("scheduler requests", "kv blocks")  # a preemption a dirty ro
 
 def record_value(x: Any, nested: bool = False) -> Any:
     """A record as a comparable value: its fields, recursively; a request it points to by id, a
-    block by number, an object without fields (a detokenizer, a matcher, a tensor) by identity."""
+    block by number, a detokenizer by its state, an object without fields (a matcher, a tensor)
+    by identity."""
     if isinstance(x, _SCALARS):
         return x
     if isinstance(x, Request) and nested:
         return ("request", x.request_id)
     if isinstance(x, KVBlock):
         return ("block", x.block_id)
+    if isinstance(x, IncrementalDetokenizer):  # by value: a step's text lives in the output record's copy
+        return ("detokenizer",) + tuple(record_value(getattr(x, s), True) for s in x.__slots__ if s != "_tok")
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return (type(x).__name__,) + tuple(record_value(getattr(x, f.name), True) for f in dataclasses.fields(x))
     if isinstance(x, (list, tuple)):
