@@ -60,6 +60,7 @@ class Scheduler:
                      else attrgetter("arrival_index"))
         self._next_arrival = 0
         self._journal: UndoLog | None = None  # set while a step is open
+        self._events_mark = 0  # staged KV events before the open step (kv_cache.events)
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
@@ -111,6 +112,8 @@ class Scheduler:
         assert self._journal is None, "a step is already open"
         self._journal = UndoLog()
         self.kv.set_journal(self._journal)
+        events = self.kv.pool.events
+        self._events_mark = events.mark() if events is not None else 0
 
     def add_drafts(self, batch: DraftBatch) -> None:
         """Set next step's drafts (and their probabilities), each cut to ``draft_limit`` (journaled)."""
@@ -256,7 +259,12 @@ class Scheduler:
         assert journal is not None, "no step to roll back"
         self.kv.set_journal(None)
         self._journal = None
+        events = self.kv.pool.events
+        if events is not None:
+            events.discard_from(self._events_mark)  # the step's evictions: undone, or staged again below
         journal.rollback(dirty)
+        if events is not None:
+            events.publish()  # the hashes a dirty rollback could not give back
 
     # ------------------------------------------------------------------ one step: plan and commit
     def plan_update(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -292,6 +300,8 @@ class Scheduler:
                 kv.cache_blocks(request)
         if finished:
             self.running = [r for r in self.running if r.status == RUNNING]
+        if kv.pool.events is not None:
+            kv.pool.events.publish()  # the step's KV events (kv_cache.events), in order, at its commit
         return finished
 
     @property
