@@ -4,8 +4,10 @@ The gateway fetches the tokenizer from a worker (``GetTokenizer``), tokenizes an
 chat template itself, sends token ids (``Generate``) and indexes each worker's KV-cache events
 (``SubscribeKvEvents``). Checked: a completion and a chat through the gateway equal the offline
 engine's greedy outputs; ``cache_aware`` sends every repeat of a long shared prefix to the worker
-that holds it (each repeat is served from that worker's prefix cache, and both workers serve
-some prefixes); a killed worker is routed around.
+that holds it (each repeat is served from that worker's prefix cache, both workers serve some
+prefixes, and the gateway's metrics count every repeat as routed by a KV-event index hit: with
+the event stream muted the gateway still guesses right here, but from its own tree, and this
+fails); a killed worker is routed around.
 """
 
 from __future__ import annotations
@@ -81,10 +83,10 @@ def fleet():
         for port, proc, stub in workers:
             _wait(lambda: proc.poll() is not None or _healthy(stub), 180, f"worker {port}")
             assert proc.poll() is None, f"worker {port} exited"
-        gw_port = free_port()
+        gw_port, metrics_port = free_port(), free_port()
         url = f"http://127.0.0.1:{gw_port}"
         gateway = subprocess.Popen([SMG, "launch", "--host", "127.0.0.1", "--port", str(gw_port),
-                                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
                                     "--worker-urls", *[f"grpc://127.0.0.1:{p}" for p, _, _ in workers],
                                     "--policy", "cache_aware", "--block-size", "16", "--log-level", "warn"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -98,7 +100,12 @@ def fleet():
                 return False
         _wait(lambda: gateway.poll() is not None or ready(), 60, "the gateway to register both workers")
         assert gateway.poll() is None, "smg exited"
-        yield url, workers[:2]
+
+        def serves() -> bool:  # the tokenizer (GetTokenizer) registers a moment after the workers
+            return httpx.post(url + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": "Hi",
+                                                                         "max_tokens": 1}).status_code == 200
+        _wait(serves, 60, "the gateway to serve (its tokenizer fetched from a worker)")
+        yield url, workers[:2], f"http://127.0.0.1:{metrics_port}"
     finally:
         for _, proc, _ in workers:
             _stop(proc)
@@ -112,7 +119,7 @@ def _complete(url: str, prompt: str, max_tokens: int = 12) -> dict:
 
 
 def test_completion_and_chat_through_the_gateway_equal_offline(fleet):
-    url, _ = fleet
+    url, _, _ = fleet
     offline = LLM(default_target(), num_threads=1, max_model_len=512, kv_cache_memory_bytes=32 << 20)
     greedy = SamplingParams(temperature=0, max_tokens=12)
     for prompt in ("The capital of France is", "def fibonacci(n):"):
@@ -124,8 +131,17 @@ def test_completion_and_chat_through_the_gateway_equal_offline(fleet):
     assert r.json()["choices"][0]["message"]["content"] == offline.chat(messages, greedy)[0].outputs[0].text
 
 
+def _event_hits(metrics_url: str) -> float:
+    """Routing decisions the gateway took from a worker's KV-event index (a prefix it knows the
+    worker holds from that worker's events), not from its own guess of what it sent where."""
+    text = httpx.get(metrics_url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('smg_cache_aware_policy_branch_total{branch="event_hit"}'))
+
+
 def test_cache_aware_sends_a_repeated_prefix_to_its_holder(fleet):
-    url, workers = fleet
+    url, workers, metrics_url = fleet
+    hits_before = _event_hits(metrics_url)
     for rep in range(3):
         for k, prefix in enumerate(PREFIXES):
             usage = _complete(url, prefix + f"Question {rep}: which warehouse?", max_tokens=2)["usage"]
@@ -134,10 +150,11 @@ def test_cache_aware_sends_a_repeated_prefix_to_its_holder(fleet):
                 assert cached >= 16 * 6, f"prefix {k}, repeat {rep}: {cached} cached tokens (routed elsewhere?)"
     rates = [stub.GetLoads(pb.GetLoadsRequest()).loads[0].cache_hit_rate for _, _, stub in workers]
     assert all(rate > 0 for rate in rates), f"one worker took every prefix: hit rates {rates}"
+    assert _event_hits(metrics_url) - hits_before >= 2 * len(PREFIXES), "repeats not routed by the KV events"
 
 
 def test_a_killed_worker_is_routed_around(fleet):
-    url, workers = fleet
+    url, workers, _ = fleet
     _stop(workers[1][1])
     for k in range(4):
         out = _complete(url, f"Tell me about the number {k}.", max_tokens=4)  # 200, by the survivor
