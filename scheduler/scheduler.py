@@ -132,7 +132,9 @@ class Scheduler:
         scheduled = out.scheduled
         journal.record(self._undo_advances, scheduled)  # filled below; one record for them all
         running = self.running
-        preempted = False
+        # a seat freed for a waiting request that outranks a running one; like a preemption for
+        # KV, nothing is admitted in the step that preempted: the newcomer takes the seat next step
+        preempted = cfg.policy == "priority" and only is None and not skip and self._make_room_for_priority(out)
         # Hot loop (once per running request): n = min(tokens with drafts - computed, budget,
         # max_model_len room, threshold), then the chunk, the counter advanced optimistically.
         max_model_len = cfg.max_model_len
@@ -177,6 +179,25 @@ class Scheduler:
         out.total_num_scheduled_tokens = cfg.max_num_batched_tokens - budget
         return out
 
+    def _make_room_for_priority(self, out: SchedulerOutput) -> bool:
+        """Priority policy, ``max_num_seqs`` full: a waiting request that outranks the lowest
+        running one (smaller ``(priority, arrival)``) takes its seat; the victim is preempted
+        (``_preempt``: lowest priority, latest arrival first). Else a long run of low-priority
+        requests would hold every seat while a high-priority one waits (the inversion of vLLM's
+        #40004). The victim ranks below every request still running, so it cannot take a seat
+        back before the newcomer is admitted (next step: it is then the waiting queue's head). Returns
+        whether it preempted."""
+        waiting, running, key = self.waiting, self.running, self._key
+        if (len(running) >= self.config.max_num_seqs and len(waiting)
+                and key(waiting.peek()) < key(running[-1]) and not self._waits_for_prefix(waiting.peek())):
+            self._preempt(running[-1], out)
+            return True
+        return False
+
+    def _waits_for_prefix(self, request: Request) -> bool:
+        return (request.shares_prefix_with is not None and self.config.enable_prefix_caching
+                and request.waits_for_prefix)
+
     def _undo_advances(self, dirty: bool, scheduled: list[ScheduledRequest]) -> None:
         """Running requests scheduled this step back to their counts (admitted ones: ``_undo_admit``)."""
         requests = self.requests
@@ -193,7 +214,7 @@ class Scheduler:
         for request in candidates:
             if budget <= 0 or len(running) >= cfg.max_num_seqs:
                 break
-            if request.shares_prefix_with is not None and cfg.enable_prefix_caching and request.waits_for_prefix:
+            if self._waits_for_prefix(request):
                 if only is None:
                     break  # the head waits one step or so for its sibling's prompt, then hits the cache
                 continue
