@@ -7,11 +7,15 @@ the pool hands it out as a new block, at which point its hash is dropped (evicti
 
 While ``journal`` is set (an ``UndoLog``, during a step's scheduling) every change records its
 inverse there; see ``kv_cache.journal`` for what a rollback after a forward pass keeps.
+
+While ``events`` is set (a ``KVEventLog``, ``kv_cache.events``) every hash the pool gains or loses
+is staged there; the scheduler publishes them at a step's commit.
 """
 
 from __future__ import annotations
 
 from tokenbudget.kv_cache.block import KVBlock
+from tokenbudget.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
 from tokenbudget.kv_cache.free_queue import FreeBlockQueue
 from tokenbudget.kv_cache.journal import UndoLog
 
@@ -28,6 +32,7 @@ class BlockPool:
         self.cached: dict[int, KVBlock] = {}
         self.num_evictions = 0
         self.journal: UndoLog | None = None
+        self.events: KVEventLog | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -56,16 +61,27 @@ class BlockPool:
         for block, block_hash in zip(reversed(blocks), reversed(evicted)):
             block.ref_cnt = 0
             restore_front(block)
-            if block_hash is not None and not dirty and block_hash not in cached:
+            if block_hash is None:
+                continue
+            if not dirty and block_hash not in cached:
                 block.block_hash = block_hash
                 cached[block_hash] = block
                 self.num_evictions -= 1
+            elif self.events is not None and self._was_indexed(block_hash):
+                self.events.stage(BlockRemoved(block_hash))  # lost for good: the rollback cannot give it back
 
     def _evict(self, block: KVBlock) -> None:
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
+            if self.events is not None:
+                self.events.stage(BlockRemoved(block.block_hash))
         block.block_hash = None
         self.num_evictions += 1
+
+    def _was_indexed(self, block_hash: int) -> bool:
+        """Whether subscribers hold ``block_hash`` (published and not removed since): a hash a
+        rolled-back step evicted that no other block took meanwhile."""
+        return block_hash in self.events.live and block_hash not in self.cached
 
     def touch(self, blocks: list[KVBlock]) -> None:
         """Add a reference to each block (a prefix-cache hit), taking free ones out of the queue."""
@@ -104,14 +120,18 @@ class BlockPool:
     def lookup(self, block_hash: int) -> KVBlock | None:
         return self.cached.get(block_hash)
 
-    def cache_block(self, block: KVBlock, block_hash: int) -> None:
-        """Register a full block of committed tokens under its hash (first writer wins)."""
+    def cache_block(self, block: KVBlock, block_hash: int, parent_hash: int | None = None,
+                    token_ids: tuple[int, ...] = ()) -> None:
+        """Register a full block of committed tokens under its hash (first writer wins);
+        ``parent_hash`` (None for a first block) and ``token_ids`` describe it to ``events``."""
         if block.block_hash is not None:
             return
         if block_hash in self.cached:
             return  # the same content already lives in another block; keep that one
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if self.events is not None:
+            self.events.stage(BlockStored(block_hash, parent_hash, token_ids, len(token_ids)))
 
     def reset_prefix_cache(self) -> bool:
         """Drop every hash; only possible when no block is in use."""
@@ -120,6 +140,9 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.stage(AllBlocksCleared())
+            self.events.publish()  # between steps: nothing can roll it back
         return True
 
     def check_integrity(self) -> None:

@@ -230,8 +230,14 @@ class KVCacheManager:
         extend_block_hashes(hashes, request.all_token_ids, self.block_size, num_full)
         held = rec.blocks
         cache_block = self.pool.cache_block
-        for i in range(done, num_full):
-            cache_block(held[i], hashes[i])
+        if self.pool.events is None:
+            for i in range(done, num_full):
+                cache_block(held[i], hashes[i])
+        else:  # described for subscribers: the parent's hash and the block's tokens
+            tokens, size = request.all_token_ids, self.block_size
+            for i in range(done, num_full):
+                cache_block(held[i], hashes[i], hashes[i - 1] if i else None,
+                            tuple(tokens[i * size:(i + 1) * size]))
         rec.num_cached = num_full
 
     def free(self, request) -> None:

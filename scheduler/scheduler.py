@@ -60,6 +60,7 @@ class Scheduler:
                      else attrgetter("arrival_index"))
         self._next_arrival = 0
         self._journal: UndoLog | None = None  # set while a step is open
+        self._events_mark = 0  # staged KV events before the open step (kv_cache.events)
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
@@ -111,6 +112,8 @@ class Scheduler:
         assert self._journal is None, "a step is already open"
         self._journal = UndoLog()
         self.kv.set_journal(self._journal)
+        events = self.kv.pool.events
+        self._events_mark = events.mark() if events is not None else 0
 
     def add_drafts(self, batch: DraftBatch) -> None:
         """Set next step's drafts (and their probabilities), each cut to ``draft_limit`` (journaled)."""
@@ -129,7 +132,9 @@ class Scheduler:
         scheduled = out.scheduled
         journal.record(self._undo_advances, scheduled)  # filled below; one record for them all
         running = self.running
-        preempted = False
+        # a seat freed for a waiting request that outranks a running one; like a preemption for
+        # KV, nothing is admitted in the step that preempted: the newcomer takes the seat next step
+        preempted = cfg.policy == "priority" and only is None and not skip and self._make_room_for_priority(out)
         # Hot loop (once per running request): n = min(tokens with drafts - computed, budget,
         # max_model_len room, threshold), then the chunk, the counter advanced optimistically.
         max_model_len = cfg.max_model_len
@@ -174,6 +179,25 @@ class Scheduler:
         out.total_num_scheduled_tokens = cfg.max_num_batched_tokens - budget
         return out
 
+    def _make_room_for_priority(self, out: SchedulerOutput) -> bool:
+        """Priority policy, ``max_num_seqs`` full: a waiting request that outranks the lowest
+        running one (smaller ``(priority, arrival)``) takes its seat; the victim is preempted
+        (``_preempt``: lowest priority, latest arrival first). Else a long run of low-priority
+        requests would hold every seat while a high-priority one waits (the inversion of vLLM's
+        #40004). The victim ranks below every request still running, so it cannot take a seat
+        back before the newcomer is admitted (next step: it is then the waiting queue's head). Returns
+        whether it preempted."""
+        waiting, running, key = self.waiting, self.running, self._key
+        if (len(running) >= self.config.max_num_seqs and len(waiting)
+                and key(waiting.peek()) < key(running[-1]) and not self._waits_for_prefix(waiting.peek())):
+            self._preempt(running[-1], out)
+            return True
+        return False
+
+    def _waits_for_prefix(self, request: Request) -> bool:
+        return (request.shares_prefix_with is not None and self.config.enable_prefix_caching
+                and request.waits_for_prefix)
+
     def _undo_advances(self, dirty: bool, scheduled: list[ScheduledRequest]) -> None:
         """Running requests scheduled this step back to their counts (admitted ones: ``_undo_admit``)."""
         requests = self.requests
@@ -190,7 +214,7 @@ class Scheduler:
         for request in candidates:
             if budget <= 0 or len(running) >= cfg.max_num_seqs:
                 break
-            if request.shares_prefix_with is not None and cfg.enable_prefix_caching and request.waits_for_prefix:
+            if self._waits_for_prefix(request):
                 if only is None:
                     break  # the head waits one step or so for its sibling's prompt, then hits the cache
                 continue
@@ -256,7 +280,12 @@ class Scheduler:
         assert journal is not None, "no step to roll back"
         self.kv.set_journal(None)
         self._journal = None
+        events = self.kv.pool.events
+        if events is not None:
+            events.discard_from(self._events_mark)  # the step's evictions: undone, or staged again below
         journal.rollback(dirty)
+        if events is not None:
+            events.publish()  # the hashes a dirty rollback could not give back
 
     # ------------------------------------------------------------------ one step: plan and commit
     def plan_update(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -292,6 +321,8 @@ class Scheduler:
                 kv.cache_blocks(request)
         if finished:
             self.running = [r for r in self.running if r.status == RUNNING]
+        if kv.pool.events is not None:
+            kv.pool.events.publish()  # the step's KV events (kv_cache.events), in order, at its commit
         return finished
 
     @property

@@ -151,6 +151,38 @@ def test_fcfs_preempted_request_goes_back_to_the_head_of_the_queue():
     assert [r.request_id for r in h.scheduler.waiting] == ["b", "c"]
 
 
+def test_priority_preempts_for_a_seat_when_max_num_seqs_is_full():
+    """Plenty of KV, two seats: an urgent arrival takes the seat of the lowest-ranked running
+    request (largest priority, then latest arrival), admitted the step after the preemption (no
+    admission in a step that preempted), and the victim resumes once a seat frees, outputs
+    unchanged; an arrival that does not outrank the running ones waits."""
+    h = Harness(cfg(max_num_seqs=2, policy="priority"), SPEC)
+    h.add(h.make_request("a", list(range(1, 9)), max_tokens=12, ignore_eos=True, priority=1))
+    h.add(h.make_request("b", list(range(11, 19)), max_tokens=12, ignore_eos=True, priority=1))
+    manual_step(h)
+    h.add(h.make_request("late", [3, 4, 5], max_tokens=2, ignore_eos=True, priority=1))  # ties: waits
+    out = manual_step(h)
+    assert not out.preempted_request_ids and "late" not in chunks(out)
+    h.add(h.make_request("urgent", [1, 2, 3], max_tokens=2, ignore_eos=True, priority=0))
+    out = manual_step(h)
+    assert out.preempted_request_ids == ["b"]  # a and b tie on priority: the later arrival goes
+    out = manual_step(h)
+    assert "urgent" in chunks(out) and [r.request_id for r in h.scheduler.running] == ["urgent", "a"]
+    assert [r.request_id for r in h.scheduler.waiting] == ["b", "late"]
+    h.run_until_done()
+    h.check_lossless()
+
+
+def test_fcfs_never_preempts_for_a_seat():
+    h = Harness(cfg(max_num_seqs=2), SPEC)
+    for rid, prio in (("a", 1), ("b", 1)):
+        h.add(h.make_request(rid, list(range(1, 9)), max_tokens=12, ignore_eos=True, priority=prio))
+    manual_step(h)
+    h.add(h.make_request("urgent", [1, 2, 3], max_tokens=2, ignore_eos=True, priority=-9))
+    out = manual_step(h)
+    assert not out.preempted_request_ids and "urgent" not in chunks(out)
+
+
 # ---------------------------------------------------------------------------------- prefix cache
 def test_prefix_hit_reuses_blocks_and_never_covers_the_last_prompt_token():
     h = Harness(cfg(), SPEC)

@@ -162,6 +162,25 @@ class AsyncLLM:
     def is_healthy(self) -> bool:
         return self.engine.is_healthy()
 
+    def kv_events(self):
+        """The pool's ``KVEventLog`` (``kv_cache.events``), attached on first call, between steps.
+        Attach it before the first request (the gRPC worker does): a hash cached before it was
+        attached is in no event and no snapshot."""
+        from tokenbudget.kv_cache.events import KVEventLog
+        with self._engine_lock:
+            pool = self.engine.scheduler.kv.pool
+            if pool.events is None:
+                pool.events = KVEventLog()
+            return pool.events
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every prefix-cache hash (an ``AllBlocksCleared`` event); False, changing nothing,
+        while any request is in flight (its blocks are in use)."""
+        with self._engine_lock:
+            if self._stepping or self.engine.has_unfinished_requests():
+                return False
+            return self.engine.scheduler.kv.pool.reset_prefix_cache()
+
     def get_stats(self) -> EngineStats:
         """Engine-wide figures (``EngineStats``): the snapshot after the latest step while the
         loop runs, a fresh one when it is idle."""

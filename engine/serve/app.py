@@ -160,7 +160,11 @@ class OpenAIServer:
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
         if isinstance(text, str):  # ... and the text that is tokenized, whatever the template added
             self._check_prompt_bytes(text.encode("utf-8", "surrogatepass"), field)
-        prepared = self.llm.make_request(rid, prompt, params)
+        priority = req.priority or 0
+        if priority and self.llm.engine.config.scheduling_policy != "priority":  # vLLM's answer too
+            raise ValueError("priority: this server schedules first come, first served; start it with "
+                             "--scheduling-policy priority to use request priorities")
+        prepared = self.llm.make_request(rid, prompt, params, priority)
         num_prompt = prepared.request.num_prompt_tokens
         if num_prompt > self.max_prompt_tokens:
             self._too_many_tokens(num_prompt, field)

@@ -99,6 +99,8 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     logit_bias: dict[str, float] | None = None
     repetition_penalty: float | None = None
     n: int | None = 1
+    # vLLM's: the scheduler's priority policy (--scheduling-policy priority) runs lower values first
+    priority: int | None = 0
 
 
 class CompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):

@@ -22,6 +22,9 @@ def add_parser(sub) -> None:
     p.add_argument("--revision", default=None, help="a hub id's branch, tag or commit")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--grpc", type=int, default=None, metavar="PORT",
+                   help="serve the SMG gRPC worker protocol (VllmEngine, for `smg launch --worker-urls "
+                        "grpc://HOST:PORT`) on this port instead of the HTTP server (pip install 'tokenbudget[grpc]')")
     p.add_argument("--api-key", default=os.environ.get("TOKENBUDGET_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $TOKENBUDGET_API_KEY)")
     p.add_argument("--served-model-name", default=None,
@@ -87,9 +90,14 @@ def served_name(model: str | None) -> str:
 
 def run(args) -> int:
     try:
-        from tokenbudget.engine.serve.readiness import serve_replica
+        if args.grpc is not None:
+            from tokenbudget.integrations.grpc.server import serve_grpc
+        else:
+            from tokenbudget.engine.serve.readiness import serve_replica
     except ImportError as exc:
-        raise ValueError(f"tokenbudget serve needs the serve extra: pip install 'tokenbudget[serve]' ({exc})") from None
+        extra = "grpc" if args.grpc is not None else "serve"
+        raise ValueError(f"tokenbudget serve needs the {extra} extra: pip install 'tokenbudget[{extra}]' "
+                         f"({exc})") from None
     from tokenbudget.api.config import EngineConfig
     options = {name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name) is not None}
     if args.no_prefix_caching:
@@ -115,6 +123,9 @@ def run(args) -> int:
     def load():
         from tokenbudget.engine.entrypoints.async_llm import AsyncLLM
         return AsyncLLM(args.model, **options)
+    if args.grpc is not None:  # HealthCheck unhealthy while the model loads and while SIGTERM drains
+        return serve_grpc(load, name, args.model or name, host=args.host, port=args.grpc,
+                          grace_period=args.grace_period)
     # the port opens at once (/health 503 while the model loads); SIGTERM drains (/health 503)
     return serve_replica(load, name, host=args.host, port=args.port, api_key=args.api_key,
                          grace_period=args.grace_period,
