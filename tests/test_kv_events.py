@@ -22,9 +22,9 @@ from tokenbudget.testing.strategies import scheduler_configs
 
 
 class EventsMachine(SchedulerMachine):
-    @initialize(config=scheduler_configs(), seed=st.integers(0, 2**16))
-    def setup(self, config: SchedulerConfig, seed: int) -> None:
-        super().setup(config, seed)
+    @initialize(config=scheduler_configs(), seed=st.integers(0, 2**16), data=st.data(), n=st.integers(2, 6))
+    def setup(self, config: SchedulerConfig, seed: int, data, n: int) -> None:
+        super().setup(config, seed, data, n)  # admitting requests stores no block: no event is missed
         self.log = KVEventLog()
         self.replayed: dict[int, BlockStored] = {}
         self.h.scheduler.kv.pool.events = self.log
