@@ -4,6 +4,7 @@ around an ``AsyncLLM`` on the shared default model (imported, not a conftest).""
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import time
 
 from tokenbudget.engine.serve.server import free_port, server_in_thread, server_url  # noqa: F401
@@ -43,3 +44,22 @@ def wait_idle(llm, timeout: float = 30.0):
             raise AssertionError(f"engine not idle: {stats}")
         time.sleep(0.02)
 
+
+
+def wait_until(cond, timeout: float, what: str) -> None:
+    """Poll ``cond`` every 0.2 s until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """Terminate a server process (SIGTERM: it drains), killing it after 20 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -29,7 +28,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc  # noqa: E402
 from tokenbudget import LLM, SamplingParams  # noqa: E402
 
 from engine_fixtures import default_target  # noqa: E402
-from serve_fixtures import free_port  # noqa: E402
+from serve_fixtures import free_port, stop_process, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.router
 SMG = shutil.which("smg", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
@@ -44,23 +43,6 @@ PREFIXES = [(f"You are a careful assistant for shipping company number {k}. Answ
              "warehouse, and never invent tracking numbers. The warehouses are Rotterdam, Hamburg, Antwerp, "
              "Felixstowe, Le Havre, Algeciras and Valencia; each handles containers for one region. ") * 2
             for k in range(4)]
-
-
-def _wait(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _healthy(stub) -> bool:
@@ -81,7 +63,7 @@ def fleet():
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             workers.append((port, proc, pb_grpc.VllmEngineStub(grpc.insecure_channel(f"127.0.0.1:{port}"))))
         for port, proc, stub in workers:
-            _wait(lambda: proc.poll() is not None or _healthy(stub), 180, f"worker {port}")
+            wait_until(lambda: proc.poll() is not None or _healthy(stub), 180, f"worker {port}")
             assert proc.poll() is None, f"worker {port} exited"
         gw_port, metrics_port = free_port(), free_port()
         url = f"http://127.0.0.1:{gw_port}"
@@ -98,17 +80,17 @@ def fleet():
                 return r.status_code == 200 and sum(w.get("is_healthy", False) for w in r.json()["workers"]) == 2
             except httpx.TransportError:
                 return False
-        _wait(lambda: gateway.poll() is not None or ready(), 60, "the gateway to register both workers")
+        wait_until(lambda: gateway.poll() is not None or ready(), 60, "the gateway to register both workers")
         assert gateway.poll() is None, "smg exited"
 
         def serves() -> bool:  # the tokenizer (GetTokenizer) registers a moment after the workers
             return httpx.post(url + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": "Hi",
                                                                          "max_tokens": 1}).status_code == 200
-        _wait(serves, 60, "the gateway to serve (its tokenizer fetched from a worker)")
+        wait_until(serves, 60, "the gateway to serve (its tokenizer fetched from a worker)")
         yield url, workers[:2], f"http://127.0.0.1:{metrics_port}"
     finally:
         for _, proc, _ in workers:
-            _stop(proc)
+            stop_process(proc)
 
 
 def _complete(url: str, prompt: str, max_tokens: int = 12) -> dict:
@@ -155,7 +137,7 @@ def test_cache_aware_sends_a_repeated_prefix_to_its_holder(fleet):
 
 def test_a_killed_worker_is_routed_around(fleet):
     url, workers, _ = fleet
-    _stop(workers[1][1])
+    stop_process(workers[1][1])
     for k in range(4):
         out = _complete(url, f"Tell me about the number {k}.", max_tokens=4)  # 200, by the survivor
         assert out["usage"]["completion_tokens"] >= 1 and out["choices"][0]["finish_reason"] in ("stop", "length")

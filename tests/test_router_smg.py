@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -27,7 +26,7 @@ pytest.importorskip("fastapi")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from engine_fixtures import default_loaded  # noqa: E402
-from serve_fixtures import free_port  # noqa: E402
+from serve_fixtures import free_port, stop_process, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.router
 SMG = shutil.which("smg", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
@@ -41,28 +40,11 @@ PREFIX = ("You are a careful assistant for a shipping company. Answer in one sho
           "Felixstowe, Le Havre, Algeciras and Valencia; each handles containers for one region. Question: ")
 
 
-def _wait(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 def _ok(url: str, path: str) -> bool:
     try:
         return httpx.get(url + path, timeout=2).status_code == 200
     except httpx.TransportError:
         return False
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _start_replica() -> tuple[str, subprocess.Popen]:
@@ -77,7 +59,7 @@ def _start_replica() -> tuple[str, subprocess.Popen]:
 
 def _ready(replicas) -> None:
     for url, proc in replicas:
-        _wait(lambda: proc.poll() is not None or _ok(url, "/health"), 180, f"{url}/health")
+        wait_until(lambda: proc.poll() is not None or _ok(url, "/health"), 180, f"{url}/health")
         assert proc.poll() is None, f"replica {url} exited"
 
 
@@ -93,11 +75,11 @@ class Router:
                                       "--load-monitor-interval", "1", *extra],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            _wait(lambda: self.proc.poll() is not None or self._healthy_workers() == len(workers), 60,
+            wait_until(lambda: self.proc.poll() is not None or self._healthy_workers() == len(workers), 60,
                   f"SMG to register {workers}")
             assert self.proc.poll() is None, "smg exited"
         except BaseException:
-            _stop(self.proc)
+            stop_process(self.proc)
             raise
 
     def _healthy_workers(self) -> int:
@@ -115,7 +97,7 @@ class Router:
         return self
 
     def __exit__(self, *exc) -> None:
-        _stop(self.proc)
+        stop_process(self.proc)
 
 
 def _metric(url: str, name: str) -> float:
@@ -136,7 +118,7 @@ def replicas():
         yield [url for url, _ in started]
     finally:
         for _, proc in started:
-            _stop(proc)
+            stop_process(proc)
 
 
 def test_round_robin_spreads_over_both_replicas(replicas):
@@ -173,7 +155,7 @@ def test_least_load_serves_and_reads_every_replicas_kv_gauge(replicas):
         def loaded_workers() -> set:
             loads = httpx.get(router.url + "/get_loads", timeout=5).json().get("loads", [])
             return {entry["worker"] for entry in loads}
-        _wait(lambda: loaded_workers() == set(replicas), 30, "SMG's load monitor to read both replicas")
+        wait_until(lambda: loaded_workers() == set(replicas), 30, "SMG's load monitor to read both replicas")
 
 
 def test_a_replica_killed_mid_run_fails_over_or_fails_cleanly(replicas):
@@ -192,7 +174,7 @@ def test_a_replica_killed_mid_run_fails_over_or_fails_cleanly(replicas):
             threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(6)]
             for t in threads:
                 t.start()
-            _wait(lambda: _metric(victim_url, "vllm:num_requests_running") > 0, 60, "the victim to be busy")
+            wait_until(lambda: _metric(victim_url, "vllm:num_requests_running") > 0, 60, "the victim to be busy")
             victim.send_signal(signal.SIGKILL)
             for t in threads:
                 t.join(180)
@@ -202,4 +184,4 @@ def test_a_replica_killed_mid_run_fails_over_or_fails_cleanly(replicas):
             after = [router.complete(f"After the crash, {i}:", timeout=60).status_code for i in range(4)]
             assert after.count(200) >= 2, after  # the survivor keeps serving through the router
     finally:
-        _stop(victim)
+        stop_process(victim)
